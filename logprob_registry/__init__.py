@@ -1,0 +1,36 @@
+"""Per-token log-probabilities of labels from LLM logits, through the best correct backend for the
+device, dtype and torch version at hand. See README.md."""
+
+from .backend import Backend
+from .hookspecs import hookimpl
+from .ops import (
+    backends,
+    entropy_from_logits,
+    explain,
+    logprobs_and_entropy,
+    logprobs_from_hidden,
+    logprobs_from_logits,
+    select,
+)
+from .registry import BackendFallbackWarning, NoEligibleBackendError, get_registry, use_backend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendFallbackWarning",
+    "NoEligibleBackendError",
+    "backends",
+    "entropy_from_logits",
+    "explain",
+    "hookimpl",
+    "logprobs_and_entropy",
+    "logprobs_from_hidden",
+    "logprobs_from_logits",
+    "select",
+    "use_backend",
+]
+
+# Detect the environment, load the plugins and resolve the default for the main device now:
+# cheap (no compilation, no kernel launch), and a broken plugin shows up at once in explain().
+get_registry().resolve_default()

@@ -1,0 +1,38 @@
+"""``logprob-registry`` (also ``python -m logprob_registry``): info, check, bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+# Each subcommand lives in its own module with add_arguments(parser) and run(args) -> exit code.
+COMMANDS = {
+    "info": ("logprob_registry.info", "what was detected, which plugins loaded, which backend runs each op (default)"),
+    "check": ("logprob_registry.check", "run the conformance suite against backends; non-zero exit if one fails"),
+    "bench": ("logprob_registry.bench", "time and measure every eligible backend on this machine"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="logprob-registry",
+        description="Per-token log-probabilities through the best backend for this machine.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv or ["info"])
+    return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The conformance suite every backend must pass (issue 3 builds it out)."""

@@ -1,0 +1,113 @@
+"""Input checks that run before any dispatch: a user's bad input never reaches a kernel, never
+triggers a fallback, and always gets an error that says what is wrong and how to fix it."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from typing import Optional
+
+import torch
+
+LABEL_DTYPES = (torch.int32, torch.int64)
+
+
+def check_float(t: object, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(
+            f"{what} must be a floating-point tensor (float16, bfloat16, float32 or float64), got {t.dtype}; "
+            f"convert with {what}.float()"
+        )
+    return t
+
+
+def check_logits(logits: object) -> torch.Tensor:
+    logits = check_float(logits, "logits")
+    if logits.dim() < 1:
+        raise ValueError("logits must have a vocabulary dimension: shape (..., V), got a 0-d tensor")
+    return logits
+
+
+def check_labels(labels: object, leading: torch.Size, device: torch.device, against: str) -> torch.Tensor:
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype not in LABEL_DTYPES:
+        raise TypeError(f"labels must be int64 or int32, got {labels.dtype}; convert with labels.long()")
+    if labels.shape != leading:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} does not match {against} shape "
+            f"{tuple(leading)} without its last dimension; expected labels of shape {tuple(leading)}"
+        )
+    check_same_device(labels, device, "labels", against)
+    return labels
+
+
+def check_same_device(t: torch.Tensor, device: torch.device, what: str, against: str) -> None:
+    if t.device != device:
+        raise ValueError(
+            f"{against} are on {device} but {what} on {t.device}; move them with {what}.to({against}.device)"
+        )
+
+
+def check_temperature(temperature: object) -> float:
+    if isinstance(temperature, torch.Tensor) and temperature.numel() == 1:
+        temperature = float(temperature)
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a positive number, got {type(temperature).__name__}")
+    value = float(temperature)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"temperature must be finite and > 0, got {value}")
+    return value
+
+
+def check_ignore_index(ignore_index: object) -> Optional[int]:
+    if ignore_index is None:
+        return None
+    if isinstance(ignore_index, bool):
+        raise TypeError("ignore_index must be an int or None, got a bool")
+    try:
+        return operator.index(ignore_index)
+    except TypeError:
+        raise TypeError(f"ignore_index must be an int or None, got {type(ignore_index).__name__}") from None
+
+
+def check_flag(value: object, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be True or False, got {value!r}")
+    return value
+
+
+def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: Optional[int]) -> None:
+    """Every label is in [0, vocab) or equal to ignore_index. One reduction over the labels."""
+    if labels.numel() == 0:
+        return
+    flat = labels.reshape(-1)
+    bad = (flat < 0) | (flat >= vocab)
+    if ignore_index is not None:
+        bad &= flat != ignore_index
+    if not bool(bad.any()):
+        return
+    first = int(bad.nonzero()[0, 0])
+    value = int(flat[first])
+    position = tuple(int(i) for i in _unravel(first, labels.shape))
+    allowed = f"0..{vocab - 1}" if vocab else "none (the vocabulary is empty)"
+    hint = f" or ignore_index={ignore_index}" if ignore_index is not None else "; pass ignore_index= for padding"
+    raise ValueError(
+        f"label {value} at position {position} is out of range for a vocabulary of {vocab} "
+        f"(valid labels: {allowed}{hint})"
+    )
+
+
+def _unravel(index: int, shape: torch.Size) -> tuple:
+    out = []
+    for size in reversed(shape):
+        out.append(index % size)
+        index //= size
+    return tuple(reversed(out))
+
+
+def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
