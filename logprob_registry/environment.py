@@ -44,7 +44,7 @@ class Environment:
     hip_version: Optional[str] = None
     cuda_version: Optional[str] = None
     modules: Mapping[str, bool] = field(default_factory=dict)
-    fake: bool = False
+    is_fake: bool = False
 
     def has_device(self, device_type: str) -> bool:
         return device_type == "cpu" or self.device_count(device_type) > 0
@@ -105,7 +105,7 @@ class Environment:
             torch_npu_version=Version(torch_npu) if torch_npu else None,
             hip_version=hip,
             modules=_AllOthersMissing(mods),
-            fake=True,
+            is_fake=True,
         )
 
 

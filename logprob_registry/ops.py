@@ -16,7 +16,7 @@ from .report import Explanation
 
 def _logits_and_labels(logits, labels, temperature, ignore_index):
     logits = v.check_logits(logits)
-    labels = v.check_labels(labels, logits.shape[:-1], logits.device, "logits")
+    labels = v.check_labels(labels, logits, "logits")
     temperature = v.check_temperature(temperature)
     ignore_index = v.check_ignore_index(ignore_index)
     v.check_label_range(labels, logits.shape[-1], ignore_index)
@@ -115,7 +115,7 @@ def logprobs_from_hidden(
                 f"hidden is {hidden.dtype} but {name} is {t.dtype}; give them one dtype, "
                 f"for example {name}.to(hidden.dtype)"
             )
-    labels = v.check_labels(labels, hidden.shape[:-1], hidden.device, "hidden")
+    labels = v.check_labels(labels, hidden, "hidden")
     temperature = v.check_temperature(temperature)
     ignore_index = v.check_ignore_index(ignore_index)
     return_entropy = v.check_flag(return_entropy, "return_entropy")

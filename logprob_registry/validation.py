@@ -31,17 +31,18 @@ def check_logits(logits: object) -> torch.Tensor:
     return logits
 
 
-def check_labels(labels: object, leading: torch.Size, device: torch.device, against: str) -> torch.Tensor:
+def check_labels(labels: object, of: torch.Tensor, against: str) -> torch.Tensor:
+    """``labels`` fit ``of`` (the logits or hidden states): shape ``of.shape[:-1]``, same device."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
     if labels.dtype not in LABEL_DTYPES:
         raise TypeError(f"labels must be int64 or int32, got {labels.dtype}; convert with labels.long()")
-    if labels.shape != leading:
+    if labels.shape != of.shape[:-1]:
         raise ValueError(
-            f"labels shape {tuple(labels.shape)} does not match {against} shape "
-            f"{tuple(leading)} without its last dimension; expected labels of shape {tuple(leading)}"
+            f"labels shape {tuple(labels.shape)} does not match {against} shape {tuple(of.shape)}: "
+            f"expected labels of shape {tuple(of.shape[:-1])}"
         )
-    check_same_device(labels, device, "labels", against)
+    check_same_device(labels, of.device, "labels", against)
     return labels
 
 

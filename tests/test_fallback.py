@@ -1,0 +1,111 @@
+"""Run-time fallback: automatic choices fall back with one warning; explicit choices raise."""
+
+import warnings
+
+import pytest
+import torch
+
+import logprob_registry as lr
+from logprob_registry.eligibility import Key
+
+calls = []
+
+
+def failing(logits, labels=None, **kwargs):
+    calls.append("test-flaky")
+    raise RuntimeError("kernel exploded")
+
+
+def out_of_memory(logits, labels, **kwargs):
+    calls.append("test-oom")
+    raise torch.OutOfMemoryError("out of memory")
+
+
+class Flaky:
+    @lr.hookimpl
+    def register_backends(self, register):
+        register(lr.Backend(name="test-flaky", ops={"logprobs": failing, "entropy": failing}, priority=990))
+
+
+@pytest.fixture
+def flaky():
+    calls.clear()
+    reg = lr.get_registry()
+    reg.add_plugin(Flaky(), name="test-flaky-plugin")
+    yield reg
+    reg.remove_plugin("test-flaky-plugin")
+
+
+def inputs():
+    torch.manual_seed(0)
+    return torch.randn(3, 11), torch.randint(0, 11, (3,))
+
+
+def test_automatic_choice_falls_back_with_one_warning(flaky):
+    logits, labels = inputs()
+    fallback = lr.explain("logprobs", device="cpu").candidates[1].name  # next in line after test-flaky
+    assert lr.select("logprobs", device="cpu").name == "test-flaky"
+    with pytest.warns(lr.BackendFallbackWarning) as record:
+        out = lr.logprobs_from_logits(logits, labels)
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "backend 'test-flaky' failed for logprobs on cpu float32 tensors (RuntimeError: kernel exploded)" in message
+    assert f"using {fallback!r} instead" in message
+    expected = torch.log_softmax(logits, -1).gather(-1, labels[:, None])[:, 0]
+    torch.testing.assert_close(out, expected)
+    # Marked broken for that key: no second attempt, no second warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lr.logprobs_from_logits(logits, labels)
+    assert calls == ["test-flaky"]
+    report = lr.explain("logprobs", device="cpu")
+    assert report["test-flaky"].status == "broken"
+    assert "failed at run time: RuntimeError: kernel exploded" in str(report)
+    assert report.chosen == fallback
+    # Other keys are not affected: it is tried again (and falls back again) for float64.
+    with pytest.warns(lr.BackendFallbackWarning):
+        lr.logprobs_from_logits(logits.double(), labels)
+    assert calls == ["test-flaky", "test-flaky"]
+
+
+def test_explicit_choice_raises_instead(flaky, monkeypatch):
+    logits, labels = inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="kernel exploded"):
+            lr.logprobs_from_logits(logits, labels, backend="test-flaky")
+        with lr.use_backend("test-flaky"), pytest.raises(RuntimeError, match="kernel exploded"):
+            lr.entropy_from_logits(logits)
+        monkeypatch.setenv("LOGPROB_REGISTRY_BACKEND", "test-flaky")
+        with pytest.raises(RuntimeError, match="kernel exploded"):
+            lr.logprobs_from_logits(logits, labels)
+    assert calls == ["test-flaky"] * 3
+    assert lr.explain("logprobs", device="cpu")["test-flaky"].status != "broken"
+
+
+def test_bad_input_never_triggers_a_fallback(flaky):
+    logits, labels = inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="out of range"):
+            lr.logprobs_from_logits(logits, labels + 100)
+    assert calls == []
+
+
+def test_out_of_memory_is_not_a_backend_fault():
+    calls.clear()
+
+    class Oom:
+        @lr.hookimpl
+        def register_backends(self, register):
+            register(lr.Backend(name="test-oom", ops={"logprobs": out_of_memory}, priority=995))
+
+    reg = lr.get_registry()
+    reg.add_plugin(Oom(), name="test-oom-plugin")
+    try:
+        logits, labels = inputs()
+        with pytest.raises(torch.OutOfMemoryError):
+            lr.logprobs_from_logits(logits, labels)
+        assert reg.explain(Key("logprobs", "cpu", torch.float32, False))["test-oom"].status == "chosen"
+    finally:
+        reg.remove_plugin("test-oom-plugin")

@@ -1,0 +1,121 @@
+"""Plugins registered in process: one that raises or reuses a name is reported, never fatal."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import logprob_registry as lr
+from logprob_registry.cli import main
+from logprob_registry.eligibility import Key
+from logprob_registry.registry import Registry
+
+
+def _op(*args, **kwargs):
+    return None
+
+
+class Good:
+    @lr.hookimpl
+    def register_backends(self, register):
+        register(lr.Backend(name="test-good", ops={"logprobs": _op}))
+
+
+class Raising:
+    @lr.hookimpl
+    def register_backends(self, register):
+        register(lr.Backend(name="test-half-registered", ops={"logprobs": _op}))
+        raise ImportError("needs libfoo.so")
+
+
+class Duplicate:
+    @lr.hookimpl
+    def register_backends(self, register):
+        register(lr.Backend(name="test-good", ops={"logprobs": _op}, priority=1000))
+        register(lr.Backend(name="test-unique", ops={"logprobs": _op}))
+
+
+class NotABackend:
+    @lr.hookimpl
+    def register_backends(self, register):
+        register({"name": "dict-backend"})
+
+
+def test_bad_plugins_are_reported_and_good_ones_kept(capsys):
+    reg = lr.get_registry()
+    plugins = {"test-good-plugin": Good(), "test-raising-plugin": Raising(),
+               "test-duplicate-plugin": Duplicate(), "test-dict-plugin": NotABackend()}
+    try:
+        for name, plugin in plugins.items():
+            reg.add_plugin(plugin, name=name, distribution=f"{name}-dist 0.1")
+        names = [b.name for b in lr.backends()]
+        assert "test-good" in names and "test-unique" in names
+        assert "test-half-registered" not in names  # a plugin that raises contributes nothing
+        assert lr.get_registry().get("test-good").origin == "test-good-plugin"  # the first one keeps the name
+        errors = {f.plugin: f.error for f in reg.failures()}
+        assert errors["test-raising-plugin"] == "raised while registering: ImportError: needs libfoo.so"
+        assert errors["test-duplicate-plugin"] == (
+            "backend name 'test-good' is already registered by test-good-plugin; this one is ignored")
+        assert errors["test-dict-plugin"] == (
+            "raised while registering: TypeError: register() takes a logprob_registry.Backend, got dict")
+        report = str(lr.explain("logprobs", device="cpu"))
+        assert "plugin test-raising-plugin (test-raising-plugin-dist 0.1) not loaded: raised while registering" in report
+        assert main(["info"]) == 0
+        out = capsys.readouterr().out
+        assert "FAILED test-raising-plugin (test-raising-plugin-dist 0.1): raised while registering: ImportError: needs libfoo.so" in out
+        assert "test-good-plugin" in out
+    finally:
+        for name in plugins:
+            reg.remove_plugin(name)
+    assert not any(f.plugin.startswith("test-") for f in reg.failures())
+
+
+def test_a_failing_builtin_module_is_reported():
+    reg = Registry(builtins=("logprob_registry.kernels.naive", "logprob_registry.kernels.does_not_exist"),
+                   entry_points=False)
+    assert [b.name for b in reg.backends()] == ["naive"]
+    (failure,) = reg.failures()
+    assert failure.plugin == "builtin:does_not_exist"
+    assert failure.error.startswith("failed to import: ModuleNotFoundError")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(name="Bad Name", ops={"logprobs": _op}), "must be lowercase letters and digits joined by dashes"),
+    (dict(name="x", ops={"logprob": _op}), r"declares unknown ops \['logprob'\]"),
+    (dict(name="x", ops={}), "implements no op"),
+    (dict(name="x", ops={"logprobs": 3}), "is 3, not a callable"),
+    (dict(name="x", ops={"logprobs": _op}, devices={"gpu"}), r"unknown device types \['gpu'\]"),
+    (dict(name="x", ops={"logprobs": _op}, torch="2.4"), "is not a version specifier such as '>=2.4'"),
+    (dict(name="x", ops={"logprobs": _op}, dtypes={torch.int64}), "dtypes must be floating torch dtypes"),
+])
+def test_backend_record_rejects_mistakes(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        lr.Backend(**kwargs)
+
+
+def test_backend_record_normalises():
+    b = lr.Backend(name="x", ops={"logprobs": _op}, devices="cuda", requires="foo")
+    assert b.devices == frozenset({"cuda"}) and b.requires == ("foo",)
+
+
+def test_missing_required_module_reason():
+    class P:
+        @lr.hookimpl
+        def register_backends(self, register):
+            register(lr.Backend(name="needs-lib", ops={"logprobs": _op}, requires=("surely_not_a_module_xyz",)))
+
+    reg = Registry(builtins=(), entry_points=False)
+    reg.add_plugin(P(), name="p")
+    report = reg.explain(Key("logprobs", "cpu", torch.float32, False))
+    assert report["needs-lib"].reason == "surely_not_a_module_xyz is not installed"
+
+
+def test_import_is_light():
+    """Importing the package compiles nothing and imports no kernel library."""
+    code = ("import sys, logprob_registry as lr; "
+            "print(sorted(m for m in ('triton', 'torch._inductor', 'torch_npu', 'liger_kernel') if m in sys.modules)); "
+            "print(lr.get_registry().default.name)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "[]"
+    assert out[1] == lr.select("logprobs", device="cpu").name

@@ -1,0 +1,130 @@
+"""Every bad input in the contract gets a clear error before any backend runs."""
+
+import math
+
+import pytest
+import torch
+
+import logprob_registry as lr
+
+ran = []
+
+
+class Spy:
+    @lr.hookimpl
+    def register_backends(self, register):
+        def op(*args, **kwargs):
+            ran.append(True)
+            raise AssertionError("validation should have stopped this call")
+        register(lr.Backend(name="test-spy", ops={k: op for k in (
+            "logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden")}, priority=999))
+
+
+@pytest.fixture(autouse=True)
+def spy():
+    ran.clear()
+    reg = lr.get_registry()
+    reg.add_plugin(Spy(), name="test-spy-plugin")
+    yield
+    reg.remove_plugin("test-spy-plugin")
+    assert ran == [], "a backend ran on bad input"
+
+
+logits = torch.randn(2, 3, 5)
+labels = torch.randint(0, 5, (2, 3))
+
+
+@pytest.mark.parametrize("fn", [lr.logprobs_from_logits, lr.logprobs_and_entropy])
+def test_label_out_of_range_names_value_and_position(fn):
+    bad = labels.clone()
+    bad[1, 2] = 7
+    with pytest.raises(ValueError, match=r"label 7 at position \(1, 2\) is out of range for a vocabulary of 5 \(valid labels: 0..4"):
+        fn(logits, bad)
+    bad[0, 1] = -3
+    with pytest.raises(ValueError, match=r"label -3 at position \(0, 1\)"):
+        fn(logits, bad)
+
+
+def test_ignore_index_may_be_out_of_range_but_nothing_else():
+    bad = labels.clone()
+    bad[0, 0] = -100
+    bad[1, 1] = 5
+    with pytest.raises(ValueError, match=r"label 5 at position \(1, 1\).*or ignore_index=-100"):
+        lr.logprobs_from_logits(logits, bad, ignore_index=-100)
+
+
+def test_label_of_a_one_dimensional_row():
+    with pytest.raises(ValueError, match=r"label 9 at position \(\) is out of range"):
+        lr.logprobs_from_logits(torch.randn(5), torch.tensor(9))
+
+
+def test_shape_mismatch_names_both_shapes():
+    with pytest.raises(ValueError, match=r"labels shape \(3, 2\) does not match logits shape \(2, 3, 5\)"):
+        lr.logprobs_from_logits(logits, labels.T.contiguous())
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64])
+def test_non_float_logits(dtype):
+    with pytest.raises(TypeError, match=r"logits must be a floating-point tensor .* got torch\.\w+; convert with logits.float\(\)"):
+        lr.logprobs_from_logits(torch.zeros(2, 5, dtype=dtype), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(TypeError, match="logits must be a floating-point tensor"):
+        lr.entropy_from_logits(torch.zeros(2, 5, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8, torch.int16])
+def test_label_dtype(dtype):
+    with pytest.raises(TypeError, match="labels must be int64 or int32"):
+        lr.logprobs_from_logits(logits, labels.to(dtype))
+
+
+@pytest.mark.parametrize("temperature", [0, -1.0, math.inf, math.nan])
+def test_temperature_must_be_finite_and_positive(temperature):
+    with pytest.raises(ValueError, match=r"temperature must be finite and > 0"):
+        lr.logprobs_from_logits(logits, labels, temperature=temperature)
+    with pytest.raises(ValueError, match=r"temperature must be finite and > 0"):
+        lr.entropy_from_logits(logits, temperature=temperature)
+
+
+@pytest.mark.parametrize("temperature", ["1", None, True])
+def test_temperature_must_be_a_number(temperature):
+    with pytest.raises(TypeError, match="temperature must be a positive number"):
+        lr.logprobs_from_logits(logits, labels, temperature=temperature)
+
+
+def test_device_mismatch():
+    meta_labels = labels.to("meta")
+    with pytest.raises(ValueError, match=r"logits are on cpu but labels on meta; move them with labels.to\(logits.device\)"):
+        lr.logprobs_from_logits(logits, meta_labels)
+
+
+def test_other_arguments():
+    with pytest.raises(TypeError, match="ignore_index must be an int or None"):
+        lr.logprobs_from_logits(logits, labels, ignore_index=1.5)
+    with pytest.raises(TypeError, match="inplace_backward must be True or False"):
+        lr.logprobs_from_logits(logits, labels, inplace_backward="yes")
+    with pytest.raises(TypeError, match="logits must be a torch.Tensor, got list"):
+        lr.logprobs_from_logits([[1.0]], labels)
+    with pytest.raises(ValueError, match="logits must have a vocabulary dimension"):
+        lr.logprobs_from_logits(torch.tensor(1.0), torch.tensor(0))
+
+
+def test_hidden_inputs():
+    hidden, weight = torch.randn(2, 3, 4), torch.randn(5, 4)
+    with pytest.raises(ValueError, match=r"weight shape \(5, 3\) does not fit hidden shape \(2, 3, 4\)"):
+        lr.logprobs_from_hidden(hidden, weight[:, :3], labels)
+    with pytest.raises(TypeError, match=r"hidden is torch.bfloat16 but weight is torch.float32; give them one dtype"):
+        lr.logprobs_from_hidden(hidden.bfloat16(), weight, labels)
+    with pytest.raises(ValueError, match=r"bias shape \(4,\) does not match weight shape \(5, 4\)"):
+        lr.logprobs_from_hidden(hidden, weight, labels, bias=torch.randn(4))
+    with pytest.raises(ValueError, match=r"labels shape \(2,\) does not match hidden shape \(2, 3, 4\)"):
+        lr.logprobs_from_hidden(hidden, weight, labels[:, 0])
+    with pytest.raises(ValueError, match=r"label 5 at position \(0, 0\) is out of range for a vocabulary of 5"):
+        lr.logprobs_from_hidden(hidden, weight, torch.full((2, 3), 5))
+    with pytest.raises(TypeError, match="weight must be a floating-point tensor"):
+        lr.logprobs_from_hidden(hidden, weight.long(), labels)
+
+
+def test_good_input_reaches_the_backend():
+    with pytest.raises(AssertionError, match="validation should have stopped"):
+        lr.logprobs_from_logits(logits, labels, backend="test-spy")
+    ran.clear()
