@@ -52,5 +52,6 @@ def register_backends(register):
         priority=0,
         autograd=True,
         batch_invariant=True,
+        copies_logits=True,
         description="log_softmax + gather in float32; materialises the logits in float32",
     ))
