@@ -25,7 +25,7 @@ def _rows(stdout):
 
 def test_check_prints_a_row_per_backend_and_fails_when_one_fails(tmp_path):
     site = make_dist(tmp_path / "site", "test-sign-error-dist", "test_sign_error_plugin", SIGN_ERROR)
-    proc = run_python(["-m", "logprob_registry", "check", "-k", "test_dtypes"], site)
+    proc = run_python(["-m", "logprob_registry", "check", "-k", "test_dtypes and logprobs"], site)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     rows = _rows(proc.stdout)
     assert rows["naive"][-1] == "pass" and rows["naive"][3] == "0", proc.stdout
