@@ -22,3 +22,19 @@ class TestEveryEligibleBackend(BackendConformance):
     @pytest.fixture(scope="class", params=ELIGIBLE)
     def conformance_backend(self, request):
         return request.param
+
+
+def test_the_pytest_plugin_adds_nothing_heavy_to_the_package_import():
+    """The pytest11 plugin is loaded into every pytest run where the package is installed: beyond
+    ``import logprob_registry`` itself it imports nothing (not the suite, not pytest)."""
+    from plugin_dists import run_python
+
+    code = ("import sys, logprob_registry\n"
+            "before = set(sys.modules)\n"
+            "import logprob_registry.testing.plugin, logprob_registry.testing as t\n"
+            "print(sorted(set(sys.modules) - before))\n"
+            "print(t.suite_path().endswith('selected.py'))\n")
+    proc = run_python(["-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == [
+        "['logprob_registry.testing', 'logprob_registry.testing.plugin']", "True"], proc.stdout
