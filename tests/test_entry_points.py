@@ -2,6 +2,7 @@
 distributions written at test time; each is found through its entry point alone, in a fresh
 process that imports this worktree's package."""
 
+import shutil
 import subprocess
 import sys
 
@@ -32,9 +33,11 @@ def register_backends(register):
 def template_site(tmp_path_factory):
     """plugins/template, installed by pip into a folder that is put on PYTHONPATH."""
     target = tmp_path_factory.mktemp("template-site")
+    source = tmp_path_factory.mktemp("template-src") / "template"
+    shutil.copytree(ROOT / "plugins" / "template", source)  # the build writes next to the sources
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(ROOT / "plugins" / "template")],
+         "--target", str(target), str(source)],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return target
