@@ -1,0 +1,231 @@
+"""The row loops behind the ``chunked`` backend: softmax statistics forward, gradient backward.
+
+Rows of the logits are visited in chunks of a fixed number of rows, each upcast (when needed) into
+a small workspace that stays in cache, so no tensor of the logits' size is ever made besides the
+gradient the caller asked for. Per row the forward keeps only
+
+* ``m``: the row maximum of ``y = logits / temperature``,
+* ``norm``: the sum of ``softmax(y)`` as torch computed it (1 up to its rounding), and
+* ``logz = log(sum(exp(y - m)))``, recovered exactly as ``log(norm / max(softmax(y)))``: the
+  maximum's probability is ``exp(0) / s``, so the ratio is ``s`` whatever rounding the softmax
+  kernel's own sum made, and torch's row sum of the probabilities is accurate to fp32 rounding.
+
+so ``logprob = (y[label] - m) - logz`` and ``entropy = logz - sum(p * (y - m)) / norm``, both
+without cancellation. The backward recomputes ``softmax(y)`` chunk by chunk.
+
+Batch invariance: every op on a chunk is row-wise (softmax, a row max, a row sum, elementwise),
+and torch runs each of them row by row whatever the number of rows, except a row sum over a single
+row, which torch may split across threads; a single-row sum is therefore done on the row repeated
+twice. On accelerators, whose reductions pick their strategy from the tensor's shape and alignment,
+every chunk is copied into a workspace of one fixed shape (zero rows pad the last one), so every
+kernel sees the same shape whatever the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+
+@dataclass
+class Plan:
+    """What one call computes, and the constants of its loop."""
+
+    temperature: float
+    want_logprobs: bool
+    want_entropy: bool
+    rows_per_chunk: int
+    fixed_shape: bool
+
+
+@dataclass
+class Stats:
+    """Per-row results of the forward loop (flat, one entry per row of the logits)."""
+
+    m: torch.Tensor
+    norm: torch.Tensor
+    logz: torch.Tensor
+    mean_z: Optional[torch.Tensor]  # E_p[y - m], kept for the entropy and its gradient
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rows_per_chunk(vocab: int, dtype: torch.dtype, workspace_bytes: int) -> int:
+    """Rows per chunk so that the two workspaces fit ``workspace_bytes``; at least two rows."""
+    itemsize = torch.empty((), dtype=compute_dtype(dtype)).element_size()
+    return max(2, workspace_bytes // max(1, 2 * vocab * itemsize))
+
+
+def blocks(x: torch.Tensor) -> Iterator[torch.Tensor]:
+    """2-D views ``(rows, V)`` of ``x`` covering its rows in C order, without copying.
+
+    Leading dimensions are merged where the strides allow (``view``); otherwise the first one is
+    unbound, so ``logits[:, :-1]`` of a contiguous ``(B, T, V)`` gives ``B`` views of ``T - 1`` rows.
+    """
+    if x.dim() <= 2:
+        yield x.reshape(-1, x.shape[-1]) if x.dim() == 1 else x
+        return
+    try:
+        yield x.view(-1, x.shape[-1])
+    except RuntimeError:
+        for sub in x.unbind(0):
+            yield from blocks(sub)
+
+
+def chunks(x: torch.Tensor, rows: int) -> Iterator[Tuple[int, torch.Tensor]]:
+    """``(first row, view of at most rows rows)`` over every row of ``x``."""
+    start = 0
+    for block in blocks(x):
+        for lo in range(0, block.shape[0], rows):
+            view = block[lo:lo + rows]
+            yield start + lo, view
+        start += block.shape[0]
+
+
+class _Workspace:
+    """The two chunk-sized buffers of a call: ``y`` (the upcast, scaled chunk) and ``p``."""
+
+    def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device, fixed: bool):
+        self.shape = (rows, vocab)
+        self.dtype, self.device, self.fixed = dtype, device, fixed
+        self._y: Optional[torch.Tensor] = None
+        self.p = torch.empty(self.shape, dtype=dtype, device=device)
+
+    @property
+    def y(self) -> torch.Tensor:
+        if self._y is None:
+            self._y = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return self._y
+
+    def load(self, chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+        """``chunk / temperature`` in the compute dtype: the chunk itself when nothing changes."""
+        r = chunk.shape[0]
+        if (not self.fixed and temperature == 1.0 and chunk.dtype == self.dtype
+                and chunk.stride(-1) == 1):
+            return chunk
+        if self.fixed:
+            y = self.y
+            y[:r].copy_(chunk)
+            if r < y.shape[0]:
+                y[r:].zero_()
+        else:
+            y = self.y[:r]
+            y.copy_(chunk)
+        if temperature != 1.0:
+            y.div_(temperature)
+        return y
+
+
+def _row_sum(t: torch.Tensor) -> torch.Tensor:
+    if t.shape[0] == 1:  # torch may split a lone row's sum across threads; two rows it never splits
+        return t.expand(2, t.shape[1]).sum(-1)[:1]
+    return t.sum(-1)
+
+
+def _z_times_p(y: torch.Tensor, m: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``p * (y - m)`` into ``out`` (which may be ``y``), with ``0 * -inf = 0`` for masked entries."""
+    torch.sub(y, m.unsqueeze(-1), out=out)
+    out.clamp_(min=torch.finfo(out.dtype).min)
+    return out.mul_(p)
+
+
+def forward(logits: torch.Tensor, plan: Plan) -> Stats:
+    """The per-row statistics of ``softmax(logits / temperature)``, one pass over the logits."""
+    vocab = logits.shape[-1]
+    n = logits.numel() // vocab if vocab else 0
+    cdt = compute_dtype(logits.dtype)
+    dev = logits.device
+    m = torch.empty(n, dtype=cdt, device=dev)
+    pmax = torch.empty(n, dtype=cdt, device=dev)
+    norm = torch.empty(n, dtype=cdt, device=dev)
+    pz = torch.empty(n, dtype=cdt, device=dev) if plan.want_entropy else None
+    if n:
+        rows = plan.rows_per_chunk if plan.fixed_shape else min(plan.rows_per_chunk, n)
+        ws = _Workspace(rows, vocab, cdt, dev, plan.fixed_shape)
+        for start, chunk in chunks(logits, plan.rows_per_chunk):
+            r = chunk.shape[0]
+            y = ws.load(chunk, plan.temperature)
+            p = torch.softmax(y, -1, out=ws.p[: y.shape[0]])
+            rm = y.amax(-1)
+            m[start:start + r] = rm[:r]
+            pmax[start:start + r] = p.amax(-1)[:r]
+            norm[start:start + r] = _row_sum(p)[:r]
+            if pz is not None:
+                z = _z_times_p(y, rm, p, out=ws.y[: y.shape[0]])
+                pz[start:start + r] = _row_sum(z)[:r]
+    logz = torch.log(norm / pmax)
+    mean_z = None if pz is None else pz / norm
+    return Stats(m, norm, logz, mean_z)
+
+
+def backward(
+    logits: torch.Tensor,
+    plan: Plan,
+    stats: Stats,
+    index: Optional[torch.Tensor],
+    grad_logprobs: Optional[torch.Tensor],
+    grad_entropy: Optional[torch.Tensor],
+    out: torch.Tensor,
+    inplace: bool,
+) -> torch.Tensor:
+    """Write the gradient with respect to ``logits`` into ``out``: an alias of ``logits`` when
+    ``inplace``, else a contiguous tensor of the logits' shape.
+
+    With ``q = softmax(y)`` and ``z = y - m`` the gradient of a row is
+    ``(g_lp * (onehot(label) - q) + g_ent * q * (E_q[z] - z)) / temperature``, formed in the
+    compute dtype and rounded to ``out``'s dtype once. ``grad_logprobs`` is already zero at ignored
+    positions and ``index`` is a safe label there.
+    """
+    vocab = logits.shape[-1]
+    n = stats.m.shape[0]
+    if n == 0:
+        return out
+    cdt = stats.m.dtype
+    scale = 1.0 / (plan.temperature * stats.norm)  # q = p / norm, and d/dlogits = d/dy / T
+    a = torch.zeros(n, dtype=cdt, device=logits.device)  # coefficient of p
+    b = None  # coefficient of p * z
+    onehot = None  # added at the label
+    if grad_logprobs is not None:
+        g = grad_logprobs.to(cdt)
+        a -= g * scale
+        onehot = g / plan.temperature
+    if grad_entropy is not None:
+        h = grad_entropy.to(cdt) * scale
+        a += h * stats.mean_z
+        b = -h
+    rows = plan.rows_per_chunk if plan.fixed_shape else min(plan.rows_per_chunk, n)
+    ws = _Workspace(rows, vocab, cdt, logits.device, plan.fixed_shape)
+    flat_out = None if inplace else out.view(-1, vocab)
+    for start, chunk in chunks(out if inplace else logits, plan.rows_per_chunk):
+        r = chunk.shape[0]
+        dest = chunk if inplace else flat_out[start:start + r]
+        y = ws.load(chunk, plan.temperature)
+        p = torch.softmax(y, -1, out=ws.p[: y.shape[0]])
+        p_rows = p[:r]
+        sl = slice(start, start + r)
+        z = None
+        if b is not None:
+            z = _z_times_p(y, stats.m[sl] if y.shape[0] == r else _pad(stats.m[sl], y.shape[0]),
+                           p, out=ws.y[: y.shape[0]])[:r]
+        if onehot is not None and b is None:
+            # grad = a * (p - norm * onehot): one rounding, written straight into dest
+            p_rows.scatter_add_(1, index[sl].unsqueeze(-1), -stats.norm[sl].unsqueeze(-1))
+            torch.mul(p_rows, a[sl].unsqueeze(-1), out=dest)
+            continue
+        p_rows.mul_(a[sl].unsqueeze(-1))
+        if onehot is not None:
+            p_rows.scatter_add_(1, index[sl].unsqueeze(-1), onehot[sl].unsqueeze(-1))
+        if z is not None:
+            torch.addcmul(p_rows, z, b[sl].unsqueeze(-1), out=dest)
+        else:
+            dest.copy_(p_rows)
+    return out
+
+
+def _pad(v: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([v, v.new_zeros(rows - v.shape[0])])
+
