@@ -40,6 +40,7 @@ class Backend:
     inplace_backward: bool = False
     batch_invariant: bool = False
     deterministic: bool = True
+    memory: str = ""  # extra memory beyond inputs and results, in words, e.g. "full-vocab buffer: ..."
     description: str = ""
     origin: str = field(default="", compare=False)
 

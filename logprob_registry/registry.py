@@ -25,6 +25,8 @@ ENTRY_POINT_GROUP = "logprob_registry"
 ENV_VAR = "LOGPROB_REGISTRY_BACKEND"
 BUILTIN_PLUGINS = (
     "logprob_registry.kernels.naive",
+    "logprob_registry.kernels.npu",
+    "logprob_registry.kernels.triton",
 )
 BUILTIN_DIST = "logprob-registry (built-in)"
 
