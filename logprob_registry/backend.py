@@ -48,6 +48,7 @@ class Backend:
     batch_invariant: bool = False
     deterministic: bool = True
     copies_logits: bool = False
+    memory: str = ""  # extra memory beyond inputs and results, in words, e.g. "full-vocab buffer: ..."
     description: str = ""
     origin: str = field(default="", compare=False)
 
