@@ -56,6 +56,14 @@ if not INTERPRETED:
         assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
         assert " passed" in proc.stdout
 
+    def test_conformance_suite_under_the_interpreter():
+        """`TRITON_INTERPRET=1 logprob-registry check --backend triton --device cpu` passes."""
+        cmd = [sys.executable, "-m", "logprob_registry", "check", "--backend", "triton", "--device", "cpu"]
+        proc = _run(cmd, True)
+        assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+        row = next(line for line in proc.stdout.splitlines() if line.startswith("triton "))
+        assert row.split()[-1] == "pass" and row.split()[3] == "0", proc.stdout
+
     def test_kernels_compile_for_gpus():
         proc = _run([sys.executable, "-c", COMPILE_SCRIPT], False)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

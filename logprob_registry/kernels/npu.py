@@ -96,6 +96,7 @@ def register_backends(register):
         inplace_backward=False,
         batch_invariant=False,  # not verified on hardware
         deterministic=False,  # not verified on hardware
+        copies_logits=True,
         memory="full-vocab buffer: keeps a float32 [N, V] log-prob buffer for backward, plus a float32 "
                "copy of the logits unless they are contiguous float32 at temperature 1",
         description="torch_npu.npu_cross_entropy_loss(reduction='none') on float32 logits, with "
