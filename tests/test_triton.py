@@ -67,7 +67,7 @@ if not INTERPRETED:
     def test_kernels_compile_for_gpus():
         proc = _run([sys.executable, "-c", COMPILE_SCRIPT], False)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-        assert "compiled 19 kernels for cuda sm_90 and 6 for hip gfx942" in proc.stdout, proc.stdout
+        assert "compiled 26 kernels for cuda sm_90 and 8 for hip gfx942" in proc.stdout, proc.stdout
 
     def test_cpu_tensors_refused_without_the_interpreter():
         verdict = lr.explain("logprobs", device="cpu")["triton"]
@@ -137,29 +137,30 @@ for x, acc in (("bf16", "fp32"), ("fp16", "fp32"), ("fp32", "fp32"), ("fp64", "f
     ptrs.update(x_ptr="*" + x, g_ptr="*" + x, lab_ptr="*i64", t_hi="fp32", t_lo="fp32",
                 xs0="i64", xs1="i64", ignore_index="i64")
     block = 2048 if acc == "fp64" else 4096
-    for split in (False, True):
-        c = dict(BLOCK=block, ACC=ACC, SPLIT=split, LABELS=True, IGNORE=True, ENTROPY=True)
+    for split, rows in ((False, 1), (True, 1), (False, 4)):
+        c = dict(ROWS=rows, BLOCK=block // rows, ACC=ACC, SPLIT=split, LABELS=True, IGNORE=True, ENTROPY=True)
         jobs.append((k._forward_kernel, ptrs, c, 8))
-    c = dict(PARTS=16, ACC=ACC, LABELS=True, IGNORE=True, ENTROPY=True)
-    jobs.append((k._combine_kernel, ptrs, c, 1))
+    c = dict(ROWS=256, PARTS=16, ACC=ACC, LABELS=True, IGNORE=True, ENTROPY=True)
+    jobs.append((k._combine_kernel, ptrs, c, 8))
 hip_jobs = list(jobs)
 for x, acc in (("bf16", "fp32"), ("fp32", "fp32"), ("fp64", "fp64")):
     ACC = tl.float64 if acc == "fp64" else tl.float32
     ptrs = {n: "*" + acc for n in ("m_ptr", "ls_ptr", "glp_ptr", "gent_ptr", "ent_ptr")}
     ptrs.update(x_ptr="*" + x, g_ptr="*" + x, lab_ptr="*i32", t_hi="fp32", t_lo="fp32", xs0="i64")
-    c = dict(BLOCK=4096, ACC=ACC, IGNORE=True, GRAD_LP=True, GRAD_ENT=True)
-    jobs.append((k._backward_kernel, ptrs, c, 8))
+    for rows in (1, 8):
+        c = dict(ROWS=rows, BLOCK=4096 // rows, ACC=ACC, IGNORE=True, GRAD_LP=True, GRAD_ENT=True)
+        jobs.append((k._backward_kernel, ptrs, c, 8))
 ptrs = {n: "*fp32" for n in ("lp_ptr", "ent_ptr", "m_ptr", "ls_ptr", "pm_ptr", "ps_ptr", "pt_ptr",
                               "glp_ptr", "gent_ptr", "x_ptr", "g_ptr")}
 ptrs.update(lab_ptr="*i64", t_hi="fp32", t_lo="fp32")
 for labels, ignore, entropy in ((True, False, False), (False, False, True)):  # the other constexpr branches
-    c = dict(BLOCK=1024, ACC=tl.float32, SPLIT=False, LABELS=labels, IGNORE=ignore, ENTROPY=entropy)
+    c = dict(ROWS=1, BLOCK=1024, ACC=tl.float32, SPLIT=False, LABELS=labels, IGNORE=ignore, ENTROPY=entropy)
     jobs.append((k._forward_kernel, ptrs, c, 2))
 for grad_lp, grad_ent in ((True, False), (False, True)):
-    c = dict(BLOCK=1024, ACC=tl.float32, IGNORE=False, GRAD_LP=grad_lp, GRAD_ENT=grad_ent)
+    c = dict(ROWS=1, BLOCK=1024, ACC=tl.float32, IGNORE=False, GRAD_LP=grad_lp, GRAD_ENT=grad_ent)
     jobs.append((k._backward_kernel, ptrs, c, 2))
 counts = {}
-for target, todo in ((GPUTarget("cuda", 90, 32), jobs), (GPUTarget("hip", "gfx942", 64), hip_jobs[:6])):
+for target, todo in ((GPUTarget("cuda", 90, 32), jobs), (GPUTarget("hip", "gfx942", 64), hip_jobs[:8])):
     for fn, types, consts, warps in todo:
         compiled = triton.compile(ASTSource(fn, sig(fn, types, consts), consts), target=target,
                                   options={"num_warps": warps, "enable_fp_fusion": True})
@@ -215,13 +216,22 @@ if INTERPRETED:
         _close(K.entropy(logits, 1.0), ref.entropy(logits), dtype)
         assert torch.equal(logits, before)
 
-    @pytest.mark.parametrize("block, chunk", [(None, None), (16, 16), (32, 1024), (128, 128)])
-    def test_launch_shapes_agree(block, chunk):
-        K.TUNING.update(block=block, chunk=chunk)
-        logits, labels = _inputs((2,), 1500, torch.float32, seed=1)
-        lp, ent = K.logprobs_and_entropy(logits, labels, 0.7, None, False)
-        _close(lp, ref.logprobs(logits, labels, temperature=0.7), torch.float32)
+    @pytest.mark.parametrize(
+        "block, chunk, rows", [(None, None, None), (32, 32, 1), (32, 1024, 4), (128, 128, 2), (64, 256, 1)]
+    )
+    def test_launch_shapes_agree(block, chunk, rows):
+        """Blocks, chunks (the vocabulary split) and row tiles: same answers, gradients included."""
+        K.TUNING.update(block=block, chunk=chunk, rows=rows)
+        logits, labels = _inputs((5,), 1500, torch.float32, seed=1)
+        labels[2] = -100
+        lp, ent = K.logprobs_and_entropy(logits, labels, 0.7, -100, False)
+        _close(lp, ref.logprobs(logits, labels, temperature=0.7, ignore_index=-100), torch.float32)
         _close(ent, ref.entropy(logits, temperature=0.7), torch.float32)
+        weights = [torch.linspace(-1, 1, 5), torch.linspace(2, 0, 5)]
+        grad, _ = _grads(lambda t: K.logprobs_and_entropy(t, labels, 0.7, -100, False), logits, weights)
+        want, _ = _grads(lambda t: ref.logprobs_and_entropy(t, labels, temperature=0.7, ignore_index=-100),
+                         logits.double(), [w.double() for w in weights])
+        torch.testing.assert_close(grad.double(), want, rtol=2e-6, atol=2e-6)
 
     def _grads(fn, logits, weights):
         x = logits.detach().clone().requires_grad_(True)
@@ -365,13 +375,17 @@ if INTERPRETED:
         _close(lp, ref.logprobs(logits, labels, temperature=temperature), torch.float64, scale=1 / temperature)
         _close(ent, ref.entropy(logits, temperature=temperature), torch.float64, scale=1 / temperature)
 
-    def test_deterministic_and_batch_invariant():
+    @pytest.mark.parametrize("rows", [None, 1, 4])
+    def test_deterministic_and_batch_invariant(rows):
+        K.TUNING.update(rows=rows)  # a row alone, or at another place in a tile of rows
         logits, labels = _inputs((6,), 3000, torch.bfloat16, seed=15)
         one = K.logprobs_and_entropy(logits, labels, 0.9, None, False)
         two = K.logprobs_and_entropy(logits, labels, 0.9, None, False)
         assert all(torch.equal(a, b) for a, b in zip(one, two))
         for i in (0, 3, 5):
             alone = K.logprobs_and_entropy(logits[i:i + 1], labels[i:i + 1], 0.9, None, False)
+            assert torch.equal(alone[0][0], one[0][i]) and torch.equal(alone[1][0], one[1][i])
+            alone = K.logprobs_and_entropy(logits[i:], labels[i:], 0.9, None, False)
             assert torch.equal(alone[0][0], one[0][i]) and torch.equal(alone[1][0], one[1][i])
 
     def test_shapes_empty_zero_d_and_vocab_one():

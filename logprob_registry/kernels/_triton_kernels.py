@@ -38,17 +38,35 @@ except AttributeError:  # older triton: the variable is read the same way
     INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
 
 # Launch shape: chosen from the vocabulary size and dtype only (never from the number of rows, which
-# would break batch invariance). Tests shrink BLOCK and CHUNK to exercise the loop and the split.
-TUNING = {"block": None, "chunk": None, "num_warps": None}
+# would break batch invariance). A program takes a tile of ROWS rows x BLOCK columns; ROWS > 1 only
+# when the vocabulary is shorter than the widest block (each row is still reduced on its own).
+# Tests shrink BLOCK and CHUNK to exercise the loop and the split.
+TUNING: dict = {"block": None, "chunk": None, "rows": None, "num_warps": None}
 CHUNK = 32768  # vocabulary columns per program in the forward pass
 MAX_PARTS = 1024  # most chunks the combine kernel takes in one row
+INTERPRETER_TILE = 2**17  # elements per program under the interpreter: it pays per program, and its
+# numpy temporaries (a dozen tiles) count in the peak memory the conformance suite measures
+
+
+def _widest(dtype: torch.dtype) -> int:
+    if INTERPRETED:  # the interpreter pays per operation, not per element: one block per chunk
+        return CHUNK
+    return {torch.float64: 2048, torch.float32: 4096}.get(dtype, 8192)
 
 
 def _block(vocab: int, dtype: torch.dtype) -> int:
     if TUNING["block"]:
         return int(TUNING["block"])
-    widest = {torch.float64: 2048, torch.float32: 4096}.get(dtype, 8192)
-    return max(16, min(triton.next_power_of_2(max(vocab, 1)), widest))
+    return max(16, min(triton.next_power_of_2(max(vocab, 1)), _widest(dtype)))
+
+
+def _rows(block: int, dtype: torch.dtype) -> int:
+    """Rows per program: a power of two filling a tile of the widest block (or, under the
+    interpreter, of INTERPRETER_TILE elements)."""
+    if TUNING["rows"]:
+        return int(TUNING["rows"])
+    tile = INTERPRETER_TILE if INTERPRETED else _widest(dtype)
+    return max(1, min(256 if INTERPRETED else 16, tile // block))
 
 
 def _chunk(vocab: int, block: int) -> int:
@@ -59,150 +77,158 @@ def _chunk(vocab: int, block: int) -> int:
     return chunk
 
 
-def _num_warps(block: int) -> int:
+def _num_warps(elements: int) -> int:
     if TUNING["num_warps"]:
         return int(TUNING["num_warps"])
-    return max(1, min(16, block // 512))
+    return max(1, min(16, elements // 512))
 
 
 # ----------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _row_offset(row, D1, D2, s0, s1, s2):
-    """Offset of row ``row`` (a linear index over three leading dims of sizes (., D1, D2))."""
-    i2 = row % D2
-    rest = row // D2
+def _row_offset(rows, D1, D2, s0, s1, s2):
+    """Offsets of rows ``rows`` (linear indices over three leading dims of sizes (., D1, D2))."""
+    i2 = rows % D2
+    rest = rows // D2
     return (rest // D1) * s0 + (rest % D1) * s1 + i2 * s2
 
 
 @triton.jit
 def _finish(
-    row, x_row, m, s, t, temp, xsv,
+    rows, live, x_rows, m, s, t, temp, xsv,
     lab_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr, D1, D2, ls0, ls1, ls2, ignore_index,
     ACC: tl.constexpr, LABELS: tl.constexpr, IGNORE: tl.constexpr, ENTROPY: tl.constexpr,
 ):
-    """Write a row's results from its (m, s, t), and save m and log(s) for the backward."""
+    """Write the rows' results from their (m, s, t), and save m and log(s) for the backward."""
+    s = tl.where(live, s, 1.0)  # rows past the end: no log(0) to form
     log_s = tl.log(s)
-    tl.store(m_ptr + row, m)
-    tl.store(ls_ptr + row, log_s)
+    tl.store(m_ptr + rows, m, mask=live)
+    tl.store(ls_ptr + rows, log_s, mask=live)
     if LABELS:
-        label = tl.load(lab_ptr + _row_offset(row, D1, D2, ls0, ls1, ls2)).to(tl.int64)
+        label = tl.load(lab_ptr + _row_offset(rows, D1, D2, ls0, ls1, ls2), mask=live, other=0).to(tl.int64)
         if IGNORE:
-            keep = label != ignore_index
-            x_lab = tl.load(x_row + label * xsv, mask=keep, other=0.0).to(ACC) / temp
-            tl.store(lp_ptr + row, tl.where(keep, (x_lab - m) - log_s, 0.0))
+            keep = live & (label != ignore_index)
+            x_lab = tl.load(x_rows + label * xsv, mask=keep, other=0.0).to(ACC) / temp
+            tl.store(lp_ptr + rows, tl.where(keep, (x_lab - m) - log_s, 0.0), mask=live)
         else:
-            x_lab = tl.load(x_row + label * xsv).to(ACC) / temp
-            tl.store(lp_ptr + row, (x_lab - m) - log_s)
+            x_lab = tl.load(x_rows + label * xsv, mask=live, other=0.0).to(ACC) / temp
+            tl.store(lp_ptr + rows, (x_lab - m) - log_s, mask=live)
     if ENTROPY:
-        tl.store(ent_ptr + row, log_s - t / s)
+        tl.store(ent_ptr + rows, log_s - t / s, mask=live)
 
 
 @triton.jit
 def _forward_kernel(
     x_ptr, lab_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr, pm_ptr, ps_ptr, pt_ptr,
-    V, CHUNK, SPAN, D1, D2, xs0, xs1, xs2, xsv, ls0, ls1, ls2,
+    N, V, CHUNK, SPAN, D1, D2, xs0, xs1, xs2, xsv, ls0, ls1, ls2,
     t_hi, t_lo, ignore_index,
-    BLOCK: tl.constexpr, ACC: tl.constexpr, SPLIT: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr, SPLIT: tl.constexpr,
     LABELS: tl.constexpr, IGNORE: tl.constexpr, ENTROPY: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    live = rows < N
     part = tl.program_id(1).to(tl.int64)
-    x_row = x_ptr + _row_offset(row, D1, D2, xs0, xs1, xs2)
+    x_rows = x_ptr + _row_offset(rows, D1, D2, xs0, xs1, xs2)
     temp = tl.cast(t_hi, ACC) + tl.cast(t_lo, ACC)
     lo = part * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
     cols = lo + tl.arange(0, BLOCK).to(tl.int64)
-    m = tl.full([], float("-inf"), ACC)
-    s = tl.zeros([], ACC)
-    t = tl.zeros([], ACC)
+    m = tl.full([ROWS], float("-inf"), ACC)
+    s = tl.zeros([ROWS], ACC)
+    t = tl.zeros([ROWS], ACC)
     for start in range(0, SPAN, BLOCK):  # SPAN = min(CHUNK, V); the last chunk's tail is masked
         idx = start + cols
-        x = tl.load(x_row + idx * xsv, mask=idx < hi, other=float("-inf")).to(ACC) / temp
-        m_new = tl.maximum(m, tl.max(x, 0))
+        mask = live[:, None] & (idx < hi)[None, :]
+        x = tl.load(x_rows[:, None] + (idx * xsv)[None, :], mask=mask, other=float("-inf")).to(ACC) / temp
+        m_new = tl.maximum(m, tl.max(x, 1))
         # -inf entries (and a running maximum still at -inf) are replaced by finite stand-ins
         # before any arithmetic, so that no inf - inf or 0 * inf is ever formed; NaN still spreads.
         ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         masked = x == float("-inf")
-        d = tl.where(masked, ref, x) - ref
+        d = tl.where(masked, ref[:, None], x) - ref[:, None]
         e = tl.where(masked, 0.0, tl.exp(d))
         fresh = m == float("-inf")  # nothing but -inf so far: s and t are 0
         shift = tl.where(fresh, ref, m) - ref
         alpha = tl.where(fresh, 0.0, tl.exp(shift))
         if ENTROPY:
-            t = alpha * (t + shift * s) + tl.sum(e * d, 0)
-        s = s * alpha + tl.sum(e, 0)
+            t = alpha * (t + shift * s) + tl.sum(e * d, 1)
+        s = s * alpha + tl.sum(e, 1)
         m = m_new
     if SPLIT:
-        parts = tl.num_programs(1)
-        tl.store(pm_ptr + row * parts + part, m)
-        tl.store(ps_ptr + row * parts + part, s)
+        at = rows * tl.num_programs(1) + part
+        tl.store(pm_ptr + at, m, mask=live)
+        tl.store(ps_ptr + at, s, mask=live)
         if ENTROPY:
-            tl.store(pt_ptr + row * parts + part, t)
+            tl.store(pt_ptr + at, t, mask=live)
     else:
-        _finish(row, x_row, m, s, t, temp, xsv, lab_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr,
+        _finish(rows, live, x_rows, m, s, t, temp, xsv, lab_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr,
                 D1, D2, ls0, ls1, ls2, ignore_index, ACC, LABELS, IGNORE, ENTROPY)
 
 
 @triton.jit
 def _combine_kernel(
     x_ptr, lab_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr, pm_ptr, ps_ptr, pt_ptr,
-    n_parts, D1, D2, xs0, xs1, xs2, xsv, ls0, ls1, ls2,
+    N, n_parts, D1, D2, xs0, xs1, xs2, xsv, ls0, ls1, ls2,
     t_hi, t_lo, ignore_index,
-    PARTS: tl.constexpr, ACC: tl.constexpr,
+    ROWS: tl.constexpr, PARTS: tl.constexpr, ACC: tl.constexpr,
     LABELS: tl.constexpr, IGNORE: tl.constexpr, ENTROPY: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + _row_offset(row, D1, D2, xs0, xs1, xs2)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    live = rows < N
+    x_rows = x_ptr + _row_offset(rows, D1, D2, xs0, xs1, xs2)
     temp = tl.cast(t_hi, ACC) + tl.cast(t_lo, ACC)
     k = tl.arange(0, PARTS)
-    inb = k < n_parts
-    pm = tl.load(pm_ptr + row * n_parts + k, mask=inb, other=float("-inf"))
-    ps = tl.load(ps_ptr + row * n_parts + k, mask=inb, other=0.0)
-    m = tl.max(pm, 0)
+    inb = live[:, None] & (k < n_parts)[None, :]
+    at = rows[:, None] * n_parts + k[None, :]
+    pm = tl.load(pm_ptr + at, mask=inb, other=float("-inf"))
+    ps = tl.load(ps_ptr + at, mask=inb, other=0.0)
+    m = tl.max(pm, 1)
     ref = tl.where(m == float("-inf"), 0.0, m)
     empty = pm == float("-inf")  # a chunk of nothing but -inf: its s and t are 0
-    shift = tl.where(empty, ref, pm) - ref
+    shift = tl.where(empty, ref[:, None], pm) - ref[:, None]
     w = tl.where(empty, 0.0, tl.exp(shift))
-    s = tl.sum(ps * w, 0)
-    t = tl.zeros([], ACC)
+    s = tl.sum(ps * w, 1)
+    t = tl.zeros([ROWS], ACC)
     if ENTROPY:
-        pt = tl.load(pt_ptr + row * n_parts + k, mask=inb, other=0.0)
-        t = tl.sum(w * (pt + shift * ps), 0)
-    _finish(row, x_row, m, s, t, temp, xsv, lab_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr,
+        pt = tl.load(pt_ptr + at, mask=inb, other=0.0)
+        t = tl.sum(w * (pt + shift * ps), 1)
+    _finish(rows, live, x_rows, m, s, t, temp, xsv, lab_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr,
             D1, D2, ls0, ls1, ls2, ignore_index, ACC, LABELS, IGNORE, ENTROPY)
 
 
 @triton.jit
 def _backward_kernel(
     x_ptr, g_ptr, lab_ptr, glp_ptr, gent_ptr, ent_ptr, m_ptr, ls_ptr,
-    V, D1, D2, xs0, xs1, xs2, xsv, gs0, gs1, gs2, gsv, ls0, ls1, ls2,
+    N, V, D1, D2, xs0, xs1, xs2, xsv, gs0, gs1, gs2, gsv, ls0, ls1, ls2,
     t_hi, t_lo, ignore_index,
-    BLOCK: tl.constexpr, ACC: tl.constexpr, IGNORE: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr, IGNORE: tl.constexpr,
     GRAD_LP: tl.constexpr, GRAD_ENT: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    live = rows < N
     cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    inb = cols < V
+    inb = live[:, None] & (cols < V)[None, :]
     temp = tl.cast(t_hi, ACC) + tl.cast(t_lo, ACC)
-    x = tl.load(x_ptr + _row_offset(row, D1, D2, xs0, xs1, xs2) + cols * xsv,
-                mask=inb, other=float("-inf")).to(ACC) / temp
+    x_rows = x_ptr + _row_offset(rows, D1, D2, xs0, xs1, xs2)
+    x = tl.load(x_rows[:, None] + (cols * xsv)[None, :], mask=inb, other=float("-inf")).to(ACC) / temp
     masked = x == float("-inf")
-    logp = (tl.where(masked, 0.0, x) - tl.load(m_ptr + row)) - tl.load(ls_ptr + row)
+    m = tl.load(m_ptr + rows, mask=live, other=0.0)
+    log_s = tl.load(ls_ptr + rows, mask=live, other=0.0)
+    logp = (tl.where(masked, 0.0, x) - m[:, None]) - log_s[:, None]
     p = tl.where(masked, 0.0, tl.exp(logp))
-    grad = tl.zeros([BLOCK], ACC)
+    grad = tl.zeros([ROWS, BLOCK], ACC)
     if GRAD_LP:
-        g = tl.load(glp_ptr + row).to(ACC)
-        label = tl.load(lab_ptr + _row_offset(row, D1, D2, ls0, ls1, ls2)).to(tl.int64)
+        g = tl.load(glp_ptr + rows, mask=live, other=0.0).to(ACC)
+        label = tl.load(lab_ptr + _row_offset(rows, D1, D2, ls0, ls1, ls2), mask=live, other=0).to(tl.int64)
         if IGNORE:
             g = tl.where(label == ignore_index, 0.0, g)
-        grad = g * (tl.where(cols == label, 1.0, 0.0) - p)
+        grad = g[:, None] * (tl.where(cols[None, :] == label[:, None], 1.0, 0.0) - p)
     if GRAD_ENT:
-        g_ent = tl.load(gent_ptr + row).to(ACC)
-        h = tl.load(ent_ptr + row)
-        grad = grad - g_ent * (p * (logp + h))
+        g_ent = tl.load(gent_ptr + rows, mask=live, other=0.0).to(ACC)
+        h = tl.load(ent_ptr + rows, mask=live, other=0.0)
+        grad = grad - g_ent[:, None] * (p * (logp + h[:, None]))
     grad = grad / temp
-    out = g_ptr + _row_offset(row, D1, D2, gs0, gs1, gs2) + cols * gsv
-    tl.store(out, grad.to(g_ptr.dtype.element_ty), mask=inb)
+    out = g_ptr + _row_offset(rows, D1, D2, gs0, gs1, gs2)
+    tl.store(out[:, None] + (cols * gsv)[None, :], grad.to(g_ptr.dtype.element_ty), mask=inb)
 
 
 # ------------------------------------------------------------------------------------------ launch
@@ -307,6 +333,7 @@ def _launch_forward(logits, labels, lp, ent, m, log_s, temperature, ignore_index
     n = math.prod(lead)
     acc = m.dtype
     block = _block(vocab, logits.dtype)
+    rows = _rows(block, logits.dtype)
     chunk = _chunk(vocab, block)
     parts = triton.cdiv(vocab, chunk)
     t_hi, t_lo = _split_temperature(temperature)
@@ -323,16 +350,19 @@ def _launch_forward(logits, labels, lp, ent, m, log_s, temperature, ignore_index
     common = dict(ACC=_TL[acc], LABELS=labels is not None, IGNORE=ignore_index is not None,
                   ENTROPY=ent is not None)
     ii = 0 if ignore_index is None else int(ignore_index)
-    _forward_kernel[(n, parts)](
+    _forward_kernel[(triton.cdiv(n, rows), parts)](
         logits, lab, lp_buf, ent_buf, m, log_s, pm, ps, pt,
-        vocab, chunk, min(chunk, vocab), d1, d2, *xs, logits.stride(-1), *ls, t_hi, t_lo, ii,
-        BLOCK=block, SPLIT=split, num_warps=_num_warps(block), enable_fp_fusion=True, **common,
+        n, vocab, chunk, min(chunk, vocab), d1, d2, *xs, logits.stride(-1), *ls, t_hi, t_lo, ii,
+        ROWS=rows, BLOCK=block, SPLIT=split, num_warps=_num_warps(rows * block), enable_fp_fusion=True,
+        **common,
     )
     if split:
-        _combine_kernel[(n,)](
+        padded = max(16, triton.next_power_of_2(parts))
+        crows = max(1, min(256, (INTERPRETER_TILE if INTERPRETED else 4096) // padded))
+        _combine_kernel[(triton.cdiv(n, crows),)](
             logits, lab, lp_buf, ent_buf, m, log_s, pm, ps, pt,
-            parts, d1, d2, *xs, logits.stride(-1), *ls, t_hi, t_lo, ii,
-            PARTS=max(16, triton.next_power_of_2(parts)), num_warps=1, enable_fp_fusion=True, **common,
+            n, parts, d1, d2, *xs, logits.stride(-1), *ls, t_hi, t_lo, ii,
+            ROWS=crows, PARTS=padded, num_warps=_num_warps(crows * padded), enable_fp_fusion=True, **common,
         )
 
 
@@ -381,16 +411,17 @@ def _launch_backward(logits, grad, labels, g_lp, g_ent, ent, m, log_s, temperatu
         return
     d1, d2, (xs, gs, ls) = geometry
     n = math.prod(lead)
-    block = min(_block(vocab, logits.dtype), 4096)
+    block = _block(vocab, logits.dtype) if INTERPRETED else min(_block(vocab, logits.dtype), 4096)
+    rows = _rows(block, logits.dtype)
     t_hi, t_lo = _split_temperature(temperature)
-    _backward_kernel[(n, triton.cdiv(vocab, block))](
+    _backward_kernel[(triton.cdiv(n, rows), triton.cdiv(vocab, block))](
         logits, grad, labels if labels is not None else m,
         g_lp if g_lp is not None else m, g_ent if g_ent is not None else m,
         ent if ent is not None else m, m, log_s,
-        vocab, d1, d2, *xs, logits.stride(-1), *gs, grad.stride(-1), *ls,
+        n, vocab, d1, d2, *xs, logits.stride(-1), *gs, grad.stride(-1), *ls,
         t_hi, t_lo, 0 if ignore_index is None else int(ignore_index),
-        BLOCK=block, ACC=_TL[m.dtype], IGNORE=ignore_index is not None,
-        GRAD_LP=g_lp is not None, GRAD_ENT=g_ent is not None, num_warps=_num_warps(block),
+        ROWS=rows, BLOCK=block, ACC=_TL[m.dtype], IGNORE=ignore_index is not None,
+        GRAD_LP=g_lp is not None, GRAD_ENT=g_ent is not None, num_warps=_num_warps(rows * block),
         enable_fp_fusion=True,
     )
 
