@@ -34,6 +34,7 @@ import logprob_registry as lr
 from logprob_registry import reference as ref
 
 from . import _chunked_loops as loops
+from . import chunked_hidden
 
 DEFAULT_WORKSPACE_BYTES = 4 << 20
 WORKSPACE_ENV = "LOGPROB_REGISTRY_CHUNKED_WORKSPACE"
@@ -182,7 +183,12 @@ def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_b
 def register_backends(register):
     register(lr.Backend(
         name="chunked",
-        ops={"logprobs": logprobs, "entropy": entropy, "logprobs_and_entropy": logprobs_and_entropy},
+        ops={
+            "logprobs": logprobs,
+            "entropy": entropy,
+            "logprobs_and_entropy": logprobs_and_entropy,
+            "logprobs_from_hidden": chunked_hidden.logprobs_from_hidden,
+        },
         devices={"cpu", "cuda", "npu", "xpu", "mps"},
         dtypes={torch.float16, torch.bfloat16, torch.float32, torch.float64},
         priority=10,
