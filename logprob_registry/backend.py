@@ -41,6 +41,9 @@ class Backend:
     batch_invariant: bool = False
     deterministic: bool = True
     description: str = ""
+    # Like ``available``, for a backend whose needs differ by device type: called with the
+    # environment and the device type of the call ("cpu", "cuda", ...).
+    available_on: Optional[Callable[["Environment", str], Optional[str]]] = None
     origin: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:

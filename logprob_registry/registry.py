@@ -25,6 +25,7 @@ ENTRY_POINT_GROUP = "logprob_registry"
 ENV_VAR = "LOGPROB_REGISTRY_BACKEND"
 BUILTIN_PLUGINS = (
     "logprob_registry.kernels.naive",
+    "logprob_registry.kernels.compiled",
 )
 BUILTIN_DIST = "logprob-registry (built-in)"
 
