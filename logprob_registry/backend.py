@@ -50,6 +50,9 @@ class Backend:
     copies_logits: bool = False
     memory: str = ""  # extra memory beyond inputs and results, in words, e.g. "full-vocab buffer: ..."
     description: str = ""
+    # Like ``available``, for a backend whose needs differ by device type: called with the
+    # environment and the device type of the call ("cpu", "cuda", ...).
+    available_on: Optional[Callable[["Environment", str], Optional[str]]] = None
     origin: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:

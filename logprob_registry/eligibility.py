@@ -62,9 +62,11 @@ def why_not(backend: Backend, key: Key, env: Environment) -> Optional[str]:
         problem = env.module_problem(module)
         if problem:
             return problem
-    if backend.available is not None:
+    for check, args in ((backend.available, (env,)), (backend.available_on, (env, key.device))):
+        if check is None:
+            continue
         try:
-            problem = backend.available(env)
+            problem = check(*args)
         except Exception as exc:
             return f"its availability check raised {type(exc).__name__}: {exc}"
         if problem:

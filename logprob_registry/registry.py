@@ -28,6 +28,7 @@ BUILTIN_PLUGINS = (
     "logprob_registry.kernels.chunked",
     "logprob_registry.kernels.npu",
     "logprob_registry.kernels.triton",
+    "logprob_registry.kernels.compiled",
 )
 
 

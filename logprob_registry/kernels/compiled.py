@@ -1,0 +1,437 @@
+"""``compiled``: the log-softmax statistics fused by ``torch.compile`` (inductor), forward and backward.
+
+Forward: a compiled kernel reads each row of the logits in place (any strides, any float dtype,
+upcast inside the kernel) and returns four numbers per row: the max, the sum of exponentials, for
+entropy the exponential-weighted distance to the max, and the label's logit. A few N-sized eager
+operations finish. Nothing of size N x V is allocated.
+
+Backward: a custom ``autograd.Function`` saves the logits and N-sized statistics only; a second
+compiled kernel writes the gradient in one pass, into a new tensor or, with
+``inplace_backward=True``, into the logits' own storage.
+
+Compilation: one compile per kind of call (kernel, dtype, layout class) and process, covering every
+batch and sequence length (dynamic shapes). A failure to compile raises from the forward, where the
+registry can fall back to the next backend. The backward kernel of a kind is compiled during the
+first forward that needs gradients, so that its failure surfaces there too; should a backward
+kernel still fail later (a layout first met in backward), that backward runs the same math eagerly,
+a block of rows at a time, with one ``BackendFallbackWarning``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import os
+import shutil
+import sys
+import threading
+import warnings
+from typing import Callable, Dict, NamedTuple, Optional
+
+import torch
+
+import logprob_registry as lr
+from logprob_registry import reference as ref
+
+# dynamic temperature without a recompile per value needs floats unspecialised (the default since
+# torch 2.6); only torch 2.13 has been tested.
+TORCH_SPEC = ">=2.6"
+# Row reductions stay inside one program (no split of a row across programs): a row's result never
+# depends on the batch around it, on CUDA as on CPU.
+INDUCTOR_OPTIONS = {"split_reductions": False}
+# Compiles allowed per kernel (dtypes x layout classes x devices) before it counts as a storm.
+RECOMPILE_LIMIT = 64
+# Rows per block of the eager backward used when a backward kernel cannot be compiled.
+EAGER_BLOCK_BYTES = 64 << 20
+
+
+# --------------------------------------------------------------------------- kernels (compiled)
+# Rows are scaled as a = (x - max(x)) / t, computed as (x - max) * (1 / t): max(x / t) is max(x) / t,
+# so the max pass reads the logits unscaled, and a log-probability (x[label] - max) / t - log(sum)
+# never subtracts two large numbers.
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def _fwd_logprobs(x, idx, inv_t: float):
+    """Row max of x, sum of exp(a), and the label's logit."""
+    xf = _upcast(x)
+    m = xf.amax(-1, keepdim=True)
+    s = ((xf - m) * inv_t).exp().sum(-1, keepdim=True)
+    return m, s, x.gather(-1, idx)
+
+
+def _fwd_entropy(x, idx, inv_t: float):
+    """As :func:`_fwd_logprobs`, plus the sum of -a * exp(a) (0 where x is -inf)."""
+    xf = _upcast(x)
+    m = xf.amax(-1, keepdim=True)
+    a = (xf - m) * inv_t
+    e = a.exp()
+    s = e.sum(-1, keepdim=True)
+    u = torch.where(torch.isneginf(xf), 0.0, -e * a).sum(-1, keepdim=True)
+    return m, s, u, x.gather(-1, idx)
+
+
+def _grad_math(x, idx, m, log_s, h, g_lp, g_ent, inv_t: float):
+    """d/dx of g_lp * logp[idx] + g_ent * entropy, in x's dtype (g_lp is 0 where ignored)."""
+    xf = _upcast(x)
+    logp = (xf - m) * inv_t - log_s
+    p = logp.exp()
+    hit = torch.arange(x.shape[-1], device=x.device) == idx
+    dent = torch.where(torch.isneginf(xf), 0.0, p * (logp + h))
+    return ((torch.where(hit, g_lp, 0.0) - g_lp * p - g_ent * dent) * inv_t).to(x.dtype)
+
+
+def _bwd(x, idx, m, log_s, h, g_lp, g_ent, inv_t: float):
+    return _grad_math(x, idx, m, log_s, h, g_lp, g_ent, inv_t)
+
+
+def _bwd_inplace(x, idx, m, log_s, h, g_lp, g_ent, inv_t: float):
+    x.copy_(_grad_math(x, idx, m, log_s, h, g_lp, g_ent, inv_t))
+
+
+KERNELS: Dict[str, Callable] = {
+    f.__name__.lstrip("_"): f for f in (_fwd_logprobs, _fwd_entropy, _bwd, _bwd_inplace)
+}
+_compiled: Dict[str, Callable] = {}
+_lock = threading.RLock()
+
+
+def _kernel(name: str) -> Callable:
+    """The compiled form of kernel ``name``, created on first use (compiling happens at its call)."""
+    with _lock:
+        if name not in _compiled:
+            kwargs = dict(dynamic=True, fullgraph=True, options=dict(INDUCTOR_OPTIONS))
+            if "recompile_limit" in inspect.signature(torch.compile).parameters:
+                kwargs["recompile_limit"] = RECOMPILE_LIMIT
+            _compiled[name] = torch.compile(KERNELS[name], **kwargs)
+        return _compiled[name]
+
+
+def compile_counts() -> Dict[str, Optional[int]]:
+    """How many compiled variants each kernel holds in this process (None where torch can't say)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:  # a torch without the debug hook
+        return {name: None for name in KERNELS}
+    return {name: len(_debug_get_cache_entry_list(f.__code__)) for name, f in KERNELS.items()}
+
+
+def reset() -> None:
+    """Forget every compiled kernel and warm-up of this module (tests use it to compile afresh)."""
+    with _lock:
+        _compiled.clear()
+        _warm.clear()
+        _eager_backward.clear()
+        for f in KERNELS.values():
+            torch._dynamo.reset_code(f.__code__)
+
+
+class CompileError(RuntimeError):
+    """torch.compile failed for one of this backend's kernels."""
+
+
+def _run(name: str, *args):
+    """Run compiled kernel ``name``; a failure to compile or run becomes a :class:`CompileError`.
+
+    The leading dims of every tensor are marked dynamic, so that one compile covers every batch and
+    sequence length; the vocabulary size stays static until a second one is seen (torch's
+    automatic dynamic shapes then make it dynamic too).
+    """
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            for d in range(a.dim() - 1):
+                if a.shape[d] >= 2:
+                    torch._dynamo.mark_dynamic(a, d)
+    try:
+        with torch.no_grad():  # one grad mode for every call: the kernels specialise on it
+            return _kernel(name)(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        cause = exc
+        while getattr(cause, "inner_exception", None) is not None:  # what the compiler backend raised
+            cause = cause.inner_exception
+        first = (str(cause).strip().splitlines() or [""])[0]
+        x = args[0]
+        raise CompileError(
+            f"torch.compile of its {name} kernel failed for {x.device.type} "
+            f"{str(x.dtype).replace('torch.', '')} logits ({type(cause).__name__}: {first})"
+        ) from exc
+
+
+# --------------------------------------------------------------------------- layout
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` viewed with its leading dims merged wherever the strides allow: usually ``(N, V)``;
+    ``(B, T, V)`` for a slice such as ``logits[:, :-1]``. Same storage, nothing copied; detached and
+    no view, so that the compiled kernels do not specialise on autograd state or a base tensor."""
+    sizes, strides = [], []
+    for size, stride in zip(x.shape[:-1], x.stride()[:-1]):
+        if size == 1:
+            continue
+        if sizes and strides[-1] == size * stride:
+            sizes[-1] *= size
+            strides[-1] = stride
+        else:
+            sizes.append(size)
+            strides.append(stride)
+    if not sizes:
+        sizes, strides = [1], [x.shape[-1] * x.stride(-1)]
+    return x.detach().as_strided(sizes + [x.shape[-1]], strides + [x.stride(-1)]).detach()
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and detached, no view of another tensor: what the kernels specialise on least."""
+    return t.contiguous().detach()
+
+
+def _layout(rows: torch.Tensor) -> tuple:
+    """What a compiled kernel specialises on besides shapes: rank, contiguity, single rows, dtype."""
+    return (rows.dim(), rows.is_contiguous(), rows.stride(-1) == 1, tuple(s == 1 for s in rows.shape[:-1]),
+            rows.device.type, rows.dtype)
+
+
+def _planes(rows: torch.Tensor):
+    """``(index, plane)`` for the 2-D ``(R, V)`` views making up ``rows`` (one when it is 2-D)."""
+    for index in itertools.product(*map(range, rows.shape[:-2])):
+        yield index, rows[index].detach()
+
+
+def _take(args: tuple, index) -> tuple:
+    return tuple(a[index].detach() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+# --------------------------------------------------------------------------- forward
+class _Forward(NamedTuple):
+    """What one forward computed, all N-sized: outputs, and what backward needs."""
+
+    rows: torch.Tensor
+    idx: torch.Tensor
+    ignored: Optional[torch.Tensor]
+    m: torch.Tensor
+    log_s: torch.Tensor
+    logp: Optional[torch.Tensor]
+    entropy: Optional[torch.Tensor]
+
+
+def _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy) -> _Forward:
+    rows = _rows(logits)
+    lead = rows.shape[:-1] + (1,)
+    ignored = None
+    if labels is None:
+        idx = torch.zeros(lead, dtype=torch.int64, device=logits.device)
+    else:
+        idx = _plain(labels.reshape(lead).to(torch.int64))
+        if ignore_index is not None:
+            ignored = idx == ignore_index
+            idx = idx.masked_fill(ignored, 0)
+    if want_entropy:
+        m, s, u, picked = _run("fwd_entropy", rows, idx, inv_t)
+    else:
+        m, s, picked = _run("fwd_logprobs", rows, idx, inv_t)
+    log_s = s.log()
+    logp = entropy = None
+    if want_logp:
+        logp = (picked.to(m.dtype) - m) * inv_t - log_s
+        if ignored is not None:
+            logp = logp.masked_fill(ignored, 0.0)
+    if want_entropy:
+        entropy = log_s + u / s
+    return _Forward(rows, idx, ignored, m, log_s, logp, entropy)
+
+
+def _outputs(f: _Forward, shape: torch.Size) -> tuple:
+    return tuple(t.view(shape) for t in (f.logp, f.entropy) if t is not None)
+
+
+# --------------------------------------------------------------------------- backward
+_warm: set = set()
+_eager_backward: Dict[tuple, str] = {}
+
+
+def _grad_args(idx, ignored, m, log_s, h, g_lp, g_ent, inv_t) -> tuple:
+    """The backward kernel's arguments after the logits, each its own contiguous N-sized tensor (the
+    compiled kernel specialises on aliasing and strides), then the scale; a missing one is zeros."""
+    def given(t):
+        return torch.zeros_like(m) if t is None else _plain(t.reshape(m.shape).to(m.dtype))
+
+    g_lp = given(g_lp)
+    if ignored is not None:
+        g_lp = g_lp.masked_fill(ignored, 0.0)
+    return idx, m, log_s, given(h), g_lp, given(g_ent), inv_t
+
+
+def _warm_backward(rows: torch.Tensor, inv_t: float, inplace: bool) -> None:
+    """Compile now, on a few rows of the same layout class, the backward kernel that this forward's
+    backward will use: a failure then raises from the forward, where the registry can fall back."""
+    target = next(_planes(rows))[1] if inplace else rows
+    key = ("bwd_inplace" if inplace else "bwd",) + _layout(target)
+    if key in _warm:
+        return
+    # 2 rows (1 if the input has one), of unequal sizes per dim so that none is taken for another
+    sample = target[tuple(slice(0, min(n, 2 + i)) for i, n in enumerate(target.shape[:-1]))].detach()
+    if inplace:  # a scratch copy with the same strides: the real logits must not be written
+        sample = torch.empty_strided(sample.shape, target.stride(), dtype=target.dtype, device=target.device)
+        sample.zero_()
+    lead = sample.shape[:-1] + (1,)
+    m = torch.zeros(lead, dtype=ref.result_dtype(rows.dtype), device=rows.device)
+    idx = torch.zeros(lead, dtype=torch.int64, device=rows.device)
+    _run(key[0], sample, *_grad_args(idx, None, m, torch.zeros_like(m), None, None, None, inv_t))
+    with _lock:
+        _warm.add(key)
+
+
+def _grad(rows: torch.Tensor, args: tuple, inplace: bool) -> Optional[torch.Tensor]:
+    """The gradient for ``rows`` (written into them when ``inplace``, and None returned)."""
+    name = "bwd_inplace" if inplace else "bwd"
+    key = (name,) + _layout(rows)
+    if key not in _eager_backward:
+        try:
+            return _run(name, rows, *args)
+        except CompileError as exc:
+            with _lock:
+                _eager_backward[key] = str(exc)
+            warnings.warn(
+                f"logprob_registry: backend 'compiled': {exc}; this backward, and later ones of its "
+                "kind, run the same math eagerly, a block of rows at a time, for the rest of this process.",
+                lr.BackendFallbackWarning,
+                stacklevel=3,
+            )
+    out = None if inplace else torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    for index, plane in _planes(rows):
+        sub = _take(args, index)
+        step = max(1, EAGER_BLOCK_BYTES // max(1, 8 * plane.shape[-1]))
+        for start in range(0, plane.shape[0], step):
+            block = slice(start, start + step)
+            grad = _grad_math(plane[block], *_take(sub, block))
+            (plane if inplace else out[index])[block].copy_(grad)
+    return out
+
+
+class _LogSoftmaxOps(torch.autograd.Function):
+    """Log-probabilities and/or entropy of logits, backward through the compiled gradient kernel."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, inv_t, ignore_index, want_logp, want_entropy, inplace):
+        f = _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy)
+        _warm_backward(f.rows, inv_t, inplace)
+        ctx.options = (inv_t, want_logp, want_entropy, inplace)
+        ctx.save_for_backward(logits, f.idx, f.ignored, f.m, f.log_s, f.entropy)
+        outputs = _outputs(f, logits.shape[:-1])
+        return outputs if len(outputs) > 1 else outputs[0]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        inv_t, want_logp, want_entropy, inplace = ctx.options
+        logits, idx, ignored, m, log_s, h = ctx.saved_tensors
+        g_lp = grads[0] if want_logp else None
+        g_ent = grads[-1] if want_entropy else None
+        rows = _rows(logits)
+        args = _grad_args(idx, ignored, m, log_s, h, g_lp, g_ent, inv_t)
+        if inplace:
+            for index, plane in _planes(rows):
+                _grad(plane, _take(args, index), inplace=True)
+            grad = logits.detach()  # a fresh alias: autograd keeps it as .grad without a copy
+        else:
+            grad = _grad(rows, args, inplace=False).view(logits.shape)
+        return grad, None, None, None, None, None, None
+
+
+def _apply(logits, labels, temperature, ignore_index, want_logp, want_entropy, inplace):
+    if logits.numel() == 0:  # nothing to compile for
+        dtype = ref.result_dtype(logits.dtype)
+        if want_logp and want_entropy:
+            return ref.logprobs_and_entropy(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype)
+        if want_logp:
+            return ref.logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype)
+        return ref.entropy(logits, temperature=temperature, dtype=dtype)
+    inv_t = 1.0 / temperature
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _LogSoftmaxOps.apply(logits, labels, inv_t, ignore_index, want_logp, want_entropy, inplace)
+    outputs = _outputs(_forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy), logits.shape[:-1])
+    return outputs if len(outputs) > 1 else outputs[0]
+
+
+# --------------------------------------------------------------------------- ops
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
+    return _apply(logits, labels, temperature, ignore_index, True, False, inplace_backward)
+
+
+def entropy(logits, *, temperature):
+    return _apply(logits, None, temperature, None, False, True, False)
+
+
+def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward):
+    return _apply(logits, labels, temperature, ignore_index, True, True, inplace_backward)
+
+
+# --------------------------------------------------------------------------- eligibility
+def _compiler_candidates() -> tuple:
+    """The C++ compilers inductor would try, in its order, without importing inductor."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:  # already imported: honour what the process configured
+        cxx = config.cpp.cxx
+        found = cxx if isinstance(cxx, (list, tuple)) else (cxx,)
+    elif sys.platform == "win32":
+        found = (os.environ.get("CXX", "cl"),)
+    else:
+        found = (os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++"),)
+    return tuple(c for c in found if c)  # None stands for a conda download that is off by default
+
+
+def available(env) -> Optional[str]:
+    """Why torch.compile cannot run in this process at all, or None."""
+    dynamo = getattr(torch, "_dynamo", None)
+    if dynamo is not None and getattr(dynamo.config, "disable", False):
+        return "torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1 or torch._dynamo.config.disable)"
+    if os.environ.get("TORCHDYNAMO_DISABLE", "") not in ("", "0"):
+        return "torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1)"
+    try:
+        supported = torch._dynamo.is_dynamo_supported()
+    except Exception:  # a torch too old or too new to say
+        supported = True
+    if not supported:
+        return f"torch.compile does not support this Python ({env.python_version}) with torch {env.torch_version}"
+    return None
+
+
+def available_on(env, device: str) -> Optional[str]:
+    """Why torch.compile cannot compile for ``device`` tensors here, or None."""
+    if device == "cpu":
+        candidates = _compiler_candidates()
+        if any(shutil.which(c) for c in candidates):
+            return None
+        names = " or ".join(repr(c) for c in candidates) or "none configured"
+        return (f"torch.compile on CPU needs a C++ compiler and none was found ({names}); "
+                "install g++ or set CXX to a compiler")
+    if device == "cuda":
+        problem = env.module_problem("triton")
+        if problem:
+            return f"torch.compile on CUDA needs triton, and {problem}"
+        capability = env.cuda_capability
+        if not env.is_rocm and capability is not None and tuple(capability) < (7, 0):
+            return (f"torch.compile on CUDA needs compute capability 7.0 or newer (triton), "
+                    f"found {capability[0]}.{capability[1]}")
+        return None
+    return f"torch.compile is not enabled for {device} tensors in this backend"
+
+
+@lr.hookimpl
+def register_backends(register):
+    register(lr.Backend(
+        name="compiled",
+        ops={"logprobs": logprobs, "entropy": entropy, "logprobs_and_entropy": logprobs_and_entropy},
+        devices={"cpu", "cuda"},
+        dtypes={torch.float16, torch.bfloat16, torch.float32, torch.float64},
+        priority=20,
+        torch=TORCH_SPEC,
+        autograd=True,
+        available=available,
+        available_on=available_on,
+        inplace_backward=True,
+        batch_invariant=True,
+        deterministic=True,
+        description="torch.compile (inductor) of the row statistics and of the one-pass gradient; "
+                    "no N x V temporary; compiles once per kind of call and process",
+    ))

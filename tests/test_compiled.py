@@ -1,0 +1,343 @@
+"""The ``compiled`` backend: values and gradients against the float64 reference, in-place backward,
+compile counts under changing shapes, and compile failures turning into the registry's fallback.
+
+Compiling costs seconds, so the tests share a few kinds of call (float32, V=37, contiguous or
+sliced) and the ones that start the compiler afresh come last.
+"""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import logprob_registry as lr
+from logprob_registry import reference as ref
+from logprob_registry.environment import Environment, get_environment
+from logprob_registry.kernels import compiled
+
+V = 37
+NO_COMPILER = compiled.available_on(get_environment(), "cpu")
+needs_compiler = pytest.mark.skipif(NO_COMPILER is not None, reason=f"needs a C++ compiler: {NO_COMPILER}")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def case(sliced=False, dtype=torch.float32, batch=3, steps=6, seed=0):
+    """Logits with masked (-inf) entries, a label on one of them, and ignored positions; sliced:
+    the ``logits[:, :-1]`` / ``labels[:, 1:]`` layout, without a copy."""
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(batch, steps + 1, V, generator=g, dtype=torch.float64) * 4
+    full[:, :, 5] = float("-inf")
+    labels = torch.randint(0, V, (batch, steps + 1), generator=g)
+    labels[0, 1:3] = 5  # position (0, 1) in both layouts
+    labels[1, 2] = -100
+    labels[2, 3] = -100
+    full = full.to(dtype)
+    if sliced:
+        return full[:, :-1], labels[:, 1:]
+    return full[:, :-1].contiguous(), labels[:, :-1].contiguous()
+
+
+def run(op, logits, labels, backend="compiled", **kw):
+    if op == "logprobs":
+        return (lr.logprobs_from_logits(logits, labels, backend=backend, **kw),)
+    if op == "entropy":
+        kw.pop("ignore_index", None)
+        kw.pop("inplace_backward", None)
+        return (lr.entropy_from_logits(logits, backend=backend, **kw),)
+    return lr.logprobs_and_entropy(logits, labels, backend=backend, **kw)
+
+
+def reference(op, logits, labels, **kw):
+    return run(op, logits, labels, backend="naive", **kw) if logits.dtype != torch.float64 else None
+
+
+def loss(outputs, seed=1):
+    """A weighted sum of the outputs (log-probabilities on -inf logits left out)."""
+    g = torch.Generator().manual_seed(seed)
+    total = 0
+    for out in outputs:
+        weight = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
+        total = total + (weight * out.masked_fill(torch.isinf(out), 0)).sum()
+    return total
+
+
+def reference_grad(op, logits, labels, **kw):
+    x = logits.detach().double().requires_grad_(True)
+    kw.pop("inplace_backward", None)
+    if op == "logprobs":
+        outs = (ref.logprobs(x, labels, **kw),)
+    elif op == "entropy":
+        kw.pop("ignore_index", None)
+        outs = (ref.entropy(x, **kw),)
+    else:
+        outs = ref.logprobs_and_entropy(x, labels, **kw)
+    loss(outs).backward()
+    return [o.detach() for o in outs], x.grad
+
+
+def test_registered_with_priority_20_and_in_place_backward():
+    backend = lr.get_registry().get("compiled")
+    assert backend.priority == 20
+    assert backend.inplace_backward and backend.batch_invariant and backend.deterministic
+    assert set(backend.ops) == {"logprobs", "entropy", "logprobs_and_entropy"}
+
+
+def test_chosen_automatically_on_cpu_where_a_compiler_is_found():
+    explanation = lr.explain("logprobs", device="cpu", requires_grad=True)
+    verdict = next(c for c in explanation.candidates if c.name == "compiled")
+    if NO_COMPILER is None:
+        assert explanation.chosen == "compiled"
+    else:
+        assert verdict.reason == NO_COMPILER and "C++ compiler" in verdict.reason
+
+
+def test_cpu_needs_a_cxx_compiler(monkeypatch):
+    import torch._inductor.config as config
+
+    monkeypatch.setattr(config.cpp, "cxx", (None, "/nonexistent/c++"))
+    reason = compiled.available_on(get_environment(), "cpu")
+    assert reason == (
+        "torch.compile on CPU needs a C++ compiler and none was found ('/nonexistent/c++'); "
+        "install g++ or set CXX to a compiler"
+    )
+
+
+def test_cuda_needs_triton_and_capability_7(fake_env):
+    env = fake_env(Environment.fake(torch="2.13.0", devices={"cuda": 1}))
+    assert compiled.available_on(env, "cuda") == "torch.compile on CUDA needs triton, and triton is not installed"
+    env = fake_env(Environment.fake(torch="2.13.0", devices={"cuda": 1}, triton="3.9.0", capability=(6, 1)))
+    assert "compute capability 7.0 or newer" in compiled.available_on(env, "cuda")
+    assert "found 6.1" in compiled.available_on(env, "cuda")
+    env = fake_env(Environment.fake(torch="2.13.0", devices={"cuda": 1}, triton="3.9.0"))
+    assert compiled.available_on(env, "cuda") is None
+    explanation = lr.explain("logprobs", device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert next(c for c in explanation.candidates if c.name == "compiled").reason is None
+    env = fake_env(Environment.fake(torch="2.5.1", devices={"cuda": 1}, triton="3.9.0"))
+    explanation = lr.explain("logprobs", device="cuda")
+    assert next(c for c in explanation.candidates if c.name == "compiled").reason == "needs torch>=2.6, found 2.5.1"
+
+
+def test_disabled_torch_compile_makes_it_ineligible(monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    assert "torch.compile is disabled" in compiled.available(get_environment())
+
+
+@needs_compiler
+@pytest.mark.parametrize("sliced", [False, True], ids=["contiguous", "sliced"])
+@pytest.mark.parametrize("op", ["logprobs", "entropy", "logprobs_and_entropy"])
+def test_values_and_gradients_match_the_float64_reference(op, sliced):
+    logits, labels = case(sliced)
+    before = logits.clone()
+    kw = dict(temperature=0.7, ignore_index=-100)
+    x = logits.detach().requires_grad_(True)
+    outs = run(op, x, labels, **kw)
+    loss(outs).backward()
+    expected, grad = reference_grad(op, logits, labels, **kw)
+    for out, exp in zip(outs, expected):
+        assert out.dtype == torch.float32 and out.shape == labels.shape
+        torch.testing.assert_close(out.double(), exp, rtol=1e-5, atol=1e-5)
+    if op != "entropy":
+        assert outs[0][labels == -100].eq(0).all()
+        assert outs[0][0, 1] == float("-inf")  # the label on a -inf logit
+    torch.testing.assert_close(x.grad.double(), grad, rtol=1e-5, atol=1e-6)
+    if op == "logprobs":
+        assert x.grad[labels == -100].eq(0).all()  # ignored rows get no gradient
+    assert torch.equal(logits, before)  # inputs unmodified
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_other_dtypes_accumulate_in_fp32_or_better(dtype):
+    logits, labels = case(dtype=dtype)
+    x = logits.detach().requires_grad_(True)
+    out = lr.logprobs_from_logits(x, labels, ignore_index=-100, backend="compiled")
+    loss((out,)).backward()
+    expected, grad = reference_grad("logprobs", logits, labels, ignore_index=-100)
+    assert out.dtype == ref.result_dtype(dtype)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5  # of the bf16 inputs' exact values: fp32-accurate
+    torch.testing.assert_close(out.double(), expected[0], rtol=tol, atol=tol)
+    assert x.grad.dtype == dtype
+    torch.testing.assert_close(x.grad.double(), grad, rtol=1e-2 if dtype == torch.bfloat16 else tol, atol=tol)
+
+
+@needs_compiler
+def test_nan_propagates_to_its_row_only_and_rows_are_batch_invariant():
+    logits, labels = case()
+    logits[1, 4, 9] = float("nan")
+    lp, ent = lr.logprobs_and_entropy(logits, labels, ignore_index=-100, backend="compiled")
+    assert torch.isnan(ent[1, 4]) and torch.isnan(ent).sum() == 1
+    assert torch.isnan(lp).sum() == 1
+    same = dict(rtol=0, atol=0, equal_nan=True)  # bit for bit
+    part_lp, part_ent = lr.logprobs_and_entropy(logits[:2, :3], labels[:2, :3], ignore_index=-100, backend="compiled")
+    torch.testing.assert_close(part_lp, lp[:2, :3], **same)
+    torch.testing.assert_close(part_ent, ent[:2, :3], **same)
+    again = lr.logprobs_and_entropy(logits, labels, ignore_index=-100, backend="compiled")
+    torch.testing.assert_close(again, (lp, ent), **same)
+
+
+@needs_compiler
+@pytest.mark.parametrize("sliced", [False, True], ids=["contiguous", "sliced"])
+def test_inplace_backward_writes_the_gradient_into_the_logits(sliced):
+    logits, labels = case(sliced)
+    kw = dict(temperature=0.7, ignore_index=-100)
+    x = logits.detach().requires_grad_(True)
+    loss(run("logprobs_and_entropy", x, labels, **kw)).backward()
+
+    # the same logits inside a whole (B, T+1, V) tensor, sliced the same way, as a non-leaf whose
+    # storage backward may overwrite
+    leaf = torch.cat([logits, torch.randn(3, 1, V)], dim=1).requires_grad_(True)
+    inner = leaf * 1.0
+    y = inner[:, :-1] if sliced else inner[:, :-1].contiguous()
+    untouched = inner.detach()[:, -1].clone()
+    loss(run("logprobs_and_entropy", y, labels, inplace_backward=True, **kw)).backward()
+    assert torch.equal(leaf.grad[:, :-1], x.grad)  # the same math as out of place, bit for bit
+    assert torch.equal(y.detach(), x.grad)  # ... written into the logits' own storage
+    assert torch.equal(inner.detach()[:, -1], untouched)  # rows outside the slice left alone
+
+
+@needs_compiler
+def test_inplace_gradient_of_a_leaf_is_kept_without_a_copy():
+    logits, labels = case()
+    x = logits.clone().requires_grad_(True)
+    lr.logprobs_from_logits(x, labels, ignore_index=-100, inplace_backward=True, backend="compiled").sum().backward()
+    assert x.grad.data_ptr() == x.data_ptr()
+
+
+# ----------------------------------------------------------------- these start the compiler afresh
+@pytest.fixture
+def fresh():
+    """Compiled kernels forgotten before and after; selections and broken marks too."""
+    compiled.reset()
+    lr.get_registry().clear_cache()
+    yield
+    compiled.reset()
+    lr.get_registry().clear_cache()
+
+
+def fallback_warnings(record):
+    return [str(w.message) for w in record if issubclass(w.category, lr.BackendFallbackWarning)]
+
+
+@needs_compiler
+def test_one_compile_covers_five_batch_and_sequence_lengths_and_temperatures(fresh):
+    shapes = [(2, 5), (3, 17), (1, 40), (6, 9), (4, 64)]
+    for i, (batch, steps) in enumerate(shapes):
+        x = torch.randn(batch, steps, V, requires_grad=True)
+        labels = torch.randint(0, V, (batch, steps))
+        out = lr.logprobs_from_logits(x, labels, temperature=(0.5, 1.0, 1.3, 2.0, 0.9)[i], backend="compiled")
+        out.sum().backward()
+    counts = compiled.compile_counts()
+    assert counts["fwd_logprobs"] == 1 and counts["bwd"] == 1, counts
+    for batch, steps in shapes[:3]:  # the logits[:, :-1] layout: one more compile, not one per shape
+        full = torch.randn(batch + 1, steps + 1, V)
+        lr.logprobs_from_logits(full[:, :-1], torch.randint(0, V, (batch + 1, steps)), backend="compiled")
+    assert compiled.compile_counts()["fwd_logprobs"] == 2
+
+
+@needs_compiler
+def test_compile_failure_falls_back_with_one_warning_and_raises_when_chosen(fresh, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected inductor failure")
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", broken)
+    logits, labels = case()
+    assert lr.select("logprobs", device="cpu").name == "compiled"
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = lr.logprobs_from_logits(logits, labels, ignore_index=-100)
+        again = lr.logprobs_from_logits(logits, labels, ignore_index=-100)
+    messages = fallback_warnings(record)
+    assert len(messages) == 1
+    assert "backend 'compiled' failed" in messages[0] and "injected inductor failure" in messages[0]
+    assert "using 'naive' instead" in messages[0]
+    expected = lr.logprobs_from_logits(logits, labels, ignore_index=-100, backend="naive")
+    assert torch.equal(out, expected) and torch.equal(again, expected)
+    with pytest.raises(compiled.CompileError, match="fwd_logprobs kernel failed .* injected inductor failure"):
+        lr.logprobs_from_logits(logits, labels, ignore_index=-100, backend="compiled")
+
+
+@needs_compiler
+def test_backward_compile_failure_surfaces_in_the_forward(fresh, monkeypatch):
+    logits, labels = case()
+    lr.logprobs_from_logits(logits, labels, ignore_index=-100, backend="compiled")  # the forward kernel compiles
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", lambda *a, **k: 1 / 0)
+    x = logits.detach().requires_grad_(True)
+    with pytest.raises(compiled.CompileError, match="its bwd kernel failed .*ZeroDivisionError"):
+        lr.logprobs_from_logits(x, labels, ignore_index=-100, backend="compiled")
+    with pytest.warns(lr.BackendFallbackWarning, match="bwd kernel failed"):
+        out = lr.logprobs_from_logits(x, labels, ignore_index=-100)
+    out.sum().backward()  # through the fallback backend
+    assert x.grad is not None
+
+
+@needs_compiler
+@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "in-place"])
+def test_backward_kernel_failing_late_runs_the_same_math_eagerly(fresh, monkeypatch, inplace):
+    logits, labels = case(sliced=True)
+    full = torch.cat([logits, torch.randn(3, 1, V)], dim=1)  # logits is full[:, :-1]
+    lr.logprobs_and_entropy(full[:, :-1], labels, ignore_index=-100, backend="compiled")  # forward compiles
+    monkeypatch.setattr(compiled, "_warm_backward", lambda *a: None)  # as for a layout first met in backward
+    monkeypatch.setattr(compiled, "EAGER_BLOCK_BYTES", 8 * V * 2)  # blocks of two rows
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", lambda *a, **k: 1 / 0)
+    kw = dict(temperature=0.7, ignore_index=-100, inplace_backward=inplace)
+    _, grad = reference_grad("logprobs_and_entropy", logits, labels, **kw)
+    messages = []
+    for attempt in range(2):
+        leaf = full.clone().requires_grad_(True)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            loss(lr.logprobs_and_entropy((leaf * 1.0)[:, :-1], labels, backend="compiled", **kw)).backward()
+        messages.append(fallback_warnings(record))
+        torch.testing.assert_close(leaf.grad[:, :-1].double(), grad, rtol=1e-5, atol=1e-6)
+        assert leaf.grad[:, -1].eq(0).all()
+    assert len(messages[0]) == 1 and messages[1] == []
+    assert "bwd" in messages[0][0] and "run the same math eagerly" in messages[0][0]
+
+
+@needs_compiler
+def test_graph_break_raises_from_the_forward(fresh, monkeypatch):
+    def breaks(x, idx, inv_t):
+        torch._dynamo.graph_break()
+        return compiled._fwd_logprobs(x, idx, inv_t)
+
+    monkeypatch.setitem(compiled.KERNELS, "fwd_logprobs", breaks)
+    logits, labels = case()
+    with pytest.raises(compiled.CompileError, match="fwd_logprobs kernel failed"):
+        lr.logprobs_from_logits(logits, labels, ignore_index=-100, backend="compiled")
+
+
+@needs_compiler
+def test_recompile_storm_falls_back(fresh, monkeypatch):
+    monkeypatch.setattr(compiled, "RECOMPILE_LIMIT", 1)
+    logits, labels = case()
+    lr.logprobs_from_logits(logits, labels, ignore_index=-100)
+    with pytest.warns(lr.BackendFallbackWarning, match="backend 'compiled' failed .*recompile|Recompile"):
+        lr.logprobs_from_logits(logits.double(), labels, ignore_index=-100)
+
+
+@needs_compiler
+def test_broken_compiler_at_run_time_falls_back_with_one_warning(tmp_path):
+    # A fresh process and inductor cache, so that nothing already compiled is reused; /bin/false
+    # exists, so the backend stays eligible, but compiles nothing.
+    script = (
+        "import warnings, torch, logprob_registry as lr\n"
+        "import torch._inductor.config as config\n"
+        "config.cpp.cxx = ('/bin/false',)\n"
+        "x = torch.randn(4, 11); y = torch.randint(0, 11, (4,))\n"
+        "with warnings.catch_warnings(record=True) as record:\n"
+        "    warnings.simplefilter('always')\n"
+        "    out = lr.logprobs_from_logits(x, y)\n"
+        "    lr.logprobs_from_logits(x, y)\n"
+        "messages = [str(w.message) for w in record if issubclass(w.category, lr.BackendFallbackWarning)]\n"
+        "assert torch.equal(out, lr.logprobs_from_logits(x, y, backend='naive'))\n"
+        "print(len(messages)); print(messages[0])\n"
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    count, message = done.stdout.strip().splitlines()[-2:]
+    assert count == "1"
+    assert "backend 'compiled' failed" in message and "using 'naive' instead" in message
