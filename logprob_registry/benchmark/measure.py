@@ -21,8 +21,8 @@ MMAP_THRESHOLD = "65536"
 
 def memory_method(device_type: str) -> str:
     if device_type == "cpu":
-        return ("peak resident memory (VmHWM) above the resident memory before the call, "
-                f"with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}, in a separate process")
+        return ("peak resident memory (VmHWM) above that before the call, in its own process "
+                f"with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}")
     if device_type in ("cuda", "npu", "xpu"):
         return f"torch.{device_type}.max_memory_allocated() above memory_allocated() before the call"
     return f"not measured on {device_type}"

@@ -61,8 +61,9 @@ def render_run(run: dict) -> str:
     calls = f"{s['repeat']} calls" + (f" x {rounds} interleaved rounds" if rounds > 1 else "")
     lines = [
         run["title"],
-        f"time: median of {calls}, each process after {s['warmup']} warm-up calls; speed-up and memory: "
-        "against the baseline (the textbook formula in the input dtype); max |diff|: against float64",
+        f"time: median of {calls}, each process after {s['warmup']} warm-up calls",
+        "speed-up and memory: against the baseline (the textbook formula in the input dtype); "
+        "max |diff|: against float64",
         "",
         table(header, rows),
     ]
