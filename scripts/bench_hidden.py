@@ -17,8 +17,9 @@ interleaved, round by round, so that machine drift hits all alike.
 
 The table gives the extra peak as a fraction of the N x V fp32 logits the fused op avoids and of
 the weight; for fwdbwd also (extra peak - weight gradient) / logits, the figure the fused op
-promises to keep at or below 0.1. maxerr is the largest error of the first 64 tokens' logprobs
-against a float64 reference.
+promises to keep at or below 0.1. "cpu s" is the process CPU time of a call: with --threads 1 it
+is the work done, hardly touched by other jobs on the machine, where wall time on shared cores is
+not. maxerr is the largest error of the first 64 tokens' logprobs against a float64 reference.
 
   flock /tmp/bench.lock python scripts/bench_hidden.py --shape 4096,2048,32768 --dtype float32
 """
@@ -30,8 +31,10 @@ import sys
 
 CHILD = r'''
 import gc, json, sys, time, torch
-N, H, V, dtname, mode, impl, backend, n, warmup, what, chunk = sys.argv[1:12]
-N, H, V, n, warmup = int(N), int(H), int(V), int(n), int(warmup)
+N, H, V, dtname, mode, impl, backend, n, warmup, what, chunk, threads = sys.argv[1:13]
+N, H, V, n, warmup, threads = int(N), int(H), int(V), int(n), int(warmup), int(threads)
+if threads:
+    torch.set_num_threads(threads)
 chunk = int(chunk) if chunk != "-" else None
 dt = getattr(torch, dtname)
 torch.manual_seed(0)
@@ -76,16 +79,18 @@ if what == "time":
         got = fn(hidden[:k], weight, labels[:k]).double()
         ref = torch.log_softmax(hidden[:k].double() @ weight.double().t(), -1).gather(1, labels[:k, None]).squeeze(1)
     err = (got - ref).abs().max().item()
-ts, peak = [], 0
+ts, cs, peak = [], [], 0
 for _ in range(n if what == "time" else 2):
     h, w = prepare(); gc.collect()
     with open("/proc/self/clear_refs", "w") as f: f.write("5")
     base = status("VmRSS:")
-    t = time.perf_counter(); out = run(h, w); ts.append(time.perf_counter() - t)
+    t, c = time.perf_counter(), time.process_time()
+    out = run(h, w)
+    ts.append(time.perf_counter() - t); cs.append(time.process_time() - c)
     peak = max(peak, status("VmHWM:") - base)
     del out, h, w
-ts.sort()
-print(json.dumps(dict(impl=impl, median_s=ts[len(ts) // 2], extra_peak_bytes=peak, maxerr=err,
+ts.sort(); cs.sort()
+print(json.dumps(dict(impl=impl, median_s=ts[len(ts) // 2], cpu_s=cs[len(cs) // 2], extra_peak_bytes=peak, maxerr=err,
                       threads=torch.get_num_threads(), torch=torch.__version__)))
 '''
 
@@ -101,6 +106,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--n", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads in the children (0: torch's default)")
+    ap.add_argument("--what", default="time,mem", help="time, mem or both")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -111,12 +118,12 @@ def main() -> None:
         for mode in modes:
             for impl in impls:
                 got = {}
-                for what in ("time", "mem"):
+                for what in a.what.split(","):
                     env = dict(os.environ)
                     if what == "mem":
                         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
                     argv = [a.python, "-c", CHILD, str(N), str(H), str(V), a.dtype, mode, impl, a.backend or "-",
-                            str(a.n), str(a.warmup), what, str(a.chunk_bytes) if a.chunk_bytes else "-"]
+                            str(a.n), str(a.warmup), what, str(a.chunk_bytes) if a.chunk_bytes else "-", str(a.threads)]
                     p = subprocess.run(argv, capture_output=True, text=True, env=env)
                     line = [x for x in p.stdout.splitlines() if x.startswith("{")]
                     if p.returncode or not line:
@@ -126,8 +133,8 @@ def main() -> None:
                 if "error" in got:
                     res[(mode, impl)].append(got)
                     continue
-                r = dict(got["time"])
-                r["extra_peak_bytes"] = got["mem"]["extra_peak_bytes"]
+                r = dict(got.get("time") or dict(got["mem"], median_s=float("nan"), cpu_s=float("nan")))
+                r["extra_peak_bytes"] = got["mem"]["extra_peak_bytes"] if "mem" in got else float("nan")
                 res[(mode, impl)].append(r)
     logits_bytes, weight_bytes = N * V * 4, V * H * torch_size(a.dtype)
     summary = {}
@@ -137,6 +144,7 @@ def main() -> None:
             summary[key] = dict(error=rs[-1]["error"])
             continue
         summary[key] = dict(median_s=sorted(r["median_s"] for r in ok)[len(ok) // 2],
+                            cpu_s=sorted(r["cpu_s"] for r in ok)[len(ok) // 2],
                             extra_peak_bytes=max(r["extra_peak_bytes"] for r in ok), maxerr=ok[0]["maxerr"],
                             threads=ok[0]["threads"], torch=ok[0]["torch"])
     if a.json:
@@ -146,7 +154,7 @@ def main() -> None:
     print(f"N={N} H={H} V={V} {a.dtype}; N x V fp32 logits {logits_bytes / 2**20:.0f} MiB, weight "
           f"{weight_bytes / 2**20:.0f} MiB; rounds {a.rounds} x n {a.n}; torch {any_ok.get('torch')}, "
           f"{any_ok.get('threads')} threads; load average {os.getloadavg()[0]:.2f}")
-    print(f"{'mode':7s} {'impl':18s} {'median s':>9s} {'vs logits':>9s} {'extra peak MiB':>15s} "
+    print(f"{'mode':7s} {'impl':18s} {'median s':>9s} {'vs logits':>9s} {'cpu s':>8s} {'vs logits':>9s} {'extra peak MiB':>15s} "
           f"{'/logits':>8s} {'/weight':>8s} {'(-wgrad)/logits':>16s} {'maxerr':>8s}")
     for (mode, impl), s in summary.items():
         if "error" in s:
@@ -154,10 +162,11 @@ def main() -> None:
             continue
         base = next((summary[(mode, i)] for i in impls if i.startswith("logits") and "error" not in summary[(mode, i)]), None)
         rel = f"{s['median_s'] / base['median_s']:8.2f}x" if base else f"{'':9s}"
+        crel = f"{s['cpu_s'] / base['cpu_s']:8.2f}x" if base else f"{'':9s}"
         extra = s["extra_peak_bytes"]
         minus = f"{(extra - weight_bytes) / logits_bytes:16.3f}" if mode == "fwdbwd" else f"{'':16s}"
         err = f"{s['maxerr']:.1e}" if s["maxerr"] is not None else ""
-        print(f"{mode:7s} {impl:18s} {s['median_s']:9.3f} {rel} {extra / 2**20:15.1f} "
+        print(f"{mode:7s} {impl:18s} {s['median_s']:9.3f} {rel} {s['cpu_s']:8.3f} {crel} {extra / 2**20:15.1f} "
               f"{extra / logits_bytes:8.3f} {extra / weight_bytes:8.3f} {minus} {err:>8s}")
 
 

@@ -9,13 +9,22 @@ gradients of hidden, weight and bias; the weight gradient accumulates tile by ti
 ``N x V`` buffer exists in either pass.
 
 Chunk budget: a tile of logits holds at most ``chunk_bytes`` bytes (fp32). The working set of a
-tile is about three times that (logits, probabilities, a mask), plus, for bf16/fp16 weights, an
-fp32 copy of one vocabulary block of the weight (also capped at ``chunk_bytes``). The budget is,
-in order: the ``chunk_bytes=`` keyword, the environment variable
-``LOGPROB_REGISTRY_HIDDEN_CHUNK_BYTES``, or :data:`DEFAULT_CHUNK_BYTES` for the device type.
+tile is about twice that (logits and probabilities), plus, for bf16/fp16 weights, an fp32 copy of
+one vocabulary block of the weight (also capped at ``chunk_bytes``). The budget is, in order: the
+``chunk_bytes=`` keyword, the environment variable ``LOGPROB_REGISTRY_HIDDEN_CHUNK_BYTES``, or
+:data:`DEFAULT_CHUNK_BYTES` for the device type.
 
 bf16/fp16 inputs are upcast to fp32 one block at a time (a bf16 matmul would round the logits to
-bf16, an error of about 1e-2 nats that the numerical contract forbids).
+bf16, an error of about 1e-2 nats that the numerical contract forbids). Their gradients are
+accumulated in fp32 and rounded once at the end: the hidden gradient through an ``N x H`` fp32
+buffer, the weight gradient one vocabulary block at a time.
+
+Saved for backward: the inputs (hidden flattened to ``(N, H)``, a copy only if its leading dims
+cannot be flattened as a view), the labels, and per token the log-sum-exp and the entropy.
+Batch invariance: the vocabulary blocks do not depend on ``N`` and short tiles are padded to
+:data:`MIN_GEMM_ROWS` rows, so a row's results are bitwise the same whatever the batch, as far as
+the matmul library gives a row the same result for any tile of at least that many rows (true of
+the CPU build tested; not promised by GPU libraries, which pick kernels by shape).
 """
 
 from __future__ import annotations
@@ -28,16 +37,19 @@ import torch
 
 CHUNK_BYTES_ENV = "LOGPROB_REGISTRY_HIDDEN_CHUNK_BYTES"
 #: Bytes of one fp32 tile of logits, by device type ("default" for the others). Small on the CPU,
-#: where a tile this size already keeps the matmuls compute-bound; larger on accelerators, where
-#: fewer, larger launches matter more than a few hundred MB.
+#: where a 1024 x 1024 tile already keeps the matmuls as fast as one big matmul; larger on
+#: accelerators (not measured here), where fewer, larger launches matter more than a few hundred MB.
 DEFAULT_CHUNK_BYTES = {"cpu": 4 << 20, "default": 256 << 20}
-__all__ = ["CHUNK_BYTES_ENV", "DEFAULT_CHUNK_BYTES", "MIN_GEMM_ROWS", "Plan", "resolve_chunk_bytes", "plan", "logprobs_from_hidden"]
-
-
 #: Tiles of fewer token rows are padded with zero rows to this many: a matmul library may take
 #: another path for a handful of rows (the CPU one does below 16), which would make a row's
 #: result depend on the size of its batch.
 MIN_GEMM_ROWS = 16
+
+
+__all__ = [
+    "CHUNK_BYTES_ENV", "DEFAULT_CHUNK_BYTES", "MIN_GEMM_ROWS", "Plan", "logprobs_from_hidden", "plan",
+    "resolve_chunk_bytes",
+]
 
 
 class Plan(NamedTuple):
@@ -153,23 +165,26 @@ def _forward(hidden, weight, bias, lab: _Labels, temperature, entropy, tiles: Pl
         for r0 in range(0, n, tiles.rows):
             r1 = min(n, r0 + tiles.rows)
             z = _tile(_block(hidden[r0:r1], cd), w, b, inv_t)
-            m_old = m[r0:r1]
-            m_new = torch.maximum(m_old, z.amax(1))
-            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
-            alpha = (m_old - m_safe).exp_()
-            e = (z - m_safe.unsqueeze(1)).exp_()
-            s[r0:r1] = s[r0:r1] * alpha + e.sum(1)
-            if t is not None:
-                # exp(-inf) * -inf is NaN for masked entries; their share is 0. A NaN logit makes
-                # the whole row NaN through the max, so hiding the product's NaN hides nothing.
-                t[r0:r1] = t[r0:r1] * alpha + e.mul_(z).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf")).sum(1)
-            del e
-            m[r0:r1] = m_new
             idx = lab.index[r0:r1]
             inside = (idx >= v0) & (idx < v1) & lab.keep[r0:r1]
             got = z.gather(1, (idx - v0).clamp_(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1)
             zl[r0:r1] = torch.where(inside, got, zl[r0:r1])
-            del z
+            m_old = m[r0:r1]
+            m_new = torch.maximum(m_old, z.amax(1))
+            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
+            alpha = (m_old - m_safe).exp_()
+            if t is None:
+                e = z.sub_(m_safe.unsqueeze(1)).exp_()  # z is not needed any more
+            else:
+                e = (z - m_safe.unsqueeze(1)).exp_()
+            s[r0:r1] = s[r0:r1] * alpha + e.sum(1)
+            if t is not None:
+                # exp(-inf) * -inf is NaN for masked entries; their share is 0. A NaN logit makes
+                # the whole row NaN through the max, so hiding the product's NaN hides nothing.
+                e.mul_(z).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+                t[r0:r1] = t[r0:r1] * alpha + e.sum(1)
+            m[r0:r1] = m_new
+            del e, z
     m_safe = m.masked_fill(m == float("-inf"), 0.0)
     lse = m_safe + s.log()
     logp = (zl - lse).masked_fill_(~lab.keep, 0.0)
@@ -207,16 +222,18 @@ def _backward(hidden, weight, bias, lab: _Labels, temperature, lse, ent, g_lp, g
             r1 = min(n, r0 + tiles.rows)
             h = _block(hidden[r0:r1], cd)
             z = _tile(h, w, b, inv_t)
-            p = (z - lse[r0:r1].unsqueeze(1)).exp_()
-            if c is not None:
+            if c is None:
+                # d logp / dz = onehot - p: -a p here, +a at the label below
+                dz = z.sub_(lse[r0:r1].unsqueeze(1)).exp_().mul_(a[r0:r1].neg().unsqueeze(1))
+            else:
+                p = (z - lse[r0:r1].unsqueeze(1)).exp_()
                 # coefficient of -p: a + c (z - sum p z); where p is 0 (masked entries) it is 0.
                 z.masked_fill_(p == 0, 0.0)
                 z.sub_(sbar[r0:r1].unsqueeze(1)).mul_(c[r0:r1].unsqueeze(1))
                 if a is not None:
                     z.add_(a[r0:r1].unsqueeze(1))
                 dz = p.mul_(z).neg_()
-            else:
-                dz = p.mul_(a[r0:r1].unsqueeze(1)).neg_()
+                del p
             del z
             if a is not None:
                 idx = lab.index[r0:r1]
@@ -229,7 +246,7 @@ def _backward(hidden, weight, bias, lab: _Labels, temperature, lse, ent, g_lp, g
                 gw_blk.addmm_(dz.t(), h)
             if need_b:
                 gb[v0:v1] += dz.sum(0)
-            del dz, p
+            del dz
         if need_w and low_w:
             gw[v0:v1].copy_(gw_blk)
     gh = None if gh is None else gh.to(hidden.dtype)
