@@ -26,6 +26,8 @@ ENV_VAR = "LOGPROB_REGISTRY_BACKEND"
 BUILTIN_PLUGINS = (
     "logprob_registry.kernels.naive",
     "logprob_registry.kernels.chunked",
+    "logprob_registry.kernels.npu",
+    "logprob_registry.kernels.triton",
 )
 
 
