@@ -42,12 +42,18 @@ class Plan:
 
 @dataclass
 class Stats:
-    """Per-row results of the forward loop (flat, one entry per row of the logits)."""
+    """Per-row results of the forward loop (flat, one entry per row of the logits).
 
-    m: torch.Tensor
+    ``norm`` is always there (the backward needs it). The log-probabilities alone need only the
+    label's probability ``plabel``; the entropy (and a label too improbable for ``plabel`` to be
+    accurate) needs ``m`` and ``logz``.
+    """
+
     norm: torch.Tensor
-    logz: torch.Tensor
-    mean_z: Optional[torch.Tensor]  # E_p[y - m], kept for the entropy and its gradient
+    m: Optional[torch.Tensor] = None
+    logz: Optional[torch.Tensor] = None
+    mean_z: Optional[torch.Tensor] = None  # E_q[y - m], for the entropy and its gradient
+    plabel: Optional[torch.Tensor] = None
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -133,33 +139,77 @@ def _z_times_p(y: torch.Tensor, m: torch.Tensor, p: torch.Tensor, out: torch.Ten
     return out.mul_(p)
 
 
-def forward(logits: torch.Tensor, plan: Plan) -> Stats:
-    """The per-row statistics of ``softmax(logits / temperature)``, one pass over the logits."""
+def forward(logits: torch.Tensor, plan: Plan, index: Optional[torch.Tensor] = None) -> Stats:
+    """The per-row statistics of ``softmax(logits / temperature)``, in one pass over the logits.
+
+    Given ``index`` (the labels, flat) and no entropy wanted, only the label's probability and the
+    normaliser are kept (two passes fewer per chunk); otherwise the full statistics.
+    """
     vocab = logits.shape[-1]
-    n = logits.numel() // vocab if vocab else 0
+    n = logits.numel() // vocab
     cdt = compute_dtype(logits.dtype)
     dev = logits.device
-    m = torch.empty(n, dtype=cdt, device=dev)
-    pmax = torch.empty(n, dtype=cdt, device=dev)
+    full = plan.want_entropy or index is None
     norm = torch.empty(n, dtype=cdt, device=dev)
+    m = torch.empty(n, dtype=cdt, device=dev) if full else None
+    pmax = torch.empty(n, dtype=cdt, device=dev) if full else None
     pz = torch.empty(n, dtype=cdt, device=dev) if plan.want_entropy else None
+    plabel = None if full else torch.empty(n, dtype=cdt, device=dev)
     if n:
         rows = plan.rows_per_chunk if plan.fixed_shape else min(plan.rows_per_chunk, n)
         ws = _Workspace(rows, vocab, cdt, dev, plan.fixed_shape)
         for start, chunk in chunks(logits, plan.rows_per_chunk):
             r = chunk.shape[0]
+            sl = slice(start, start + r)
             y = ws.load(chunk, plan.temperature)
             p = torch.softmax(y, -1, out=ws.p[: y.shape[0]])
+            norm[sl] = _row_sum(p)[:r]
+            if not full:
+                plabel[sl] = p[:r].gather(1, index[sl].unsqueeze(-1)).squeeze(-1)
+                continue
             rm = y.amax(-1)
-            m[start:start + r] = rm[:r]
-            pmax[start:start + r] = p.amax(-1)[:r]
-            norm[start:start + r] = _row_sum(p)[:r]
+            m[sl] = rm[:r]
+            pmax[sl] = p.amax(-1)[:r]
             if pz is not None:
                 z = _z_times_p(y, rm, p, out=ws.y[: y.shape[0]])
-                pz[start:start + r] = _row_sum(z)[:r]
+                pz[sl] = _row_sum(z)[:r]
+    if not full:
+        return Stats(norm, plabel=plabel)
     logz = torch.log(norm / pmax)
     mean_z = None if pz is None else pz / norm
-    return Stats(m, norm, logz, mean_z)
+    return Stats(norm, m, logz, mean_z)
+
+
+def logprobs(logits: torch.Tensor, plan: Plan, index: torch.Tensor, valid: Optional[torch.Tensor],
+             stats: Stats) -> torch.Tensor:
+    """Flat log-probabilities of the labels from the forward statistics; 0 where not ``valid``."""
+    if stats.plabel is not None:
+        lp = torch.log(stats.plabel / stats.norm)
+        # below this the label's probability has lost precision (or underflowed): redo those rows
+        rare = stats.plabel < torch.finfo(stats.norm.dtype).tiny * 2.0 ** 24
+        if valid is not None:
+            rare &= valid
+        rows = rare.nonzero().squeeze(-1)
+        if rows.numel():
+            full = forward(_take_rows(logits, rows), plan)
+            lp[rows] = (_picked(logits, index, plan, stats.norm.dtype)[rows] - full.m) - full.logz
+    else:
+        lp = (_picked(logits, index, plan, stats.norm.dtype) - stats.m) - stats.logz
+    return lp if valid is None else lp.masked_fill_(~valid, 0.0)
+
+
+def _picked(logits: torch.Tensor, index: torch.Tensor, plan: Plan, dtype: torch.dtype) -> torch.Tensor:
+    """``y[label]`` for every row, rounded exactly as the chunk loop rounds ``y``."""
+    rows = logits.unsqueeze(0) if logits.dim() == 1 else logits
+    picked = rows.gather(-1, index.view(*rows.shape[:-1], 1)).reshape(-1).to(dtype)
+    return picked / plan.temperature if plan.temperature != 1.0 else picked
+
+
+def _take_rows(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A copy of the given flat rows of ``logits``, shape ``(len(rows), V)``."""
+    if logits.dim() == 1:
+        return logits.unsqueeze(0)[rows]
+    return logits[torch.unravel_index(rows, logits.shape[:-1])]
 
 
 def backward(
@@ -181,10 +231,10 @@ def backward(
     positions and ``index`` is a safe label there.
     """
     vocab = logits.shape[-1]
-    n = stats.m.shape[0]
+    n = stats.norm.shape[0]
     if n == 0:
         return out
-    cdt = stats.m.dtype
+    cdt = stats.norm.dtype
     scale = 1.0 / (plan.temperature * stats.norm)  # q = p / norm, and d/dlogits = d/dy / T
     a = torch.zeros(n, dtype=cdt, device=logits.device)  # coefficient of p
     b = None  # coefficient of p * z

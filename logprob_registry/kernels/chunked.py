@@ -91,21 +91,15 @@ def _labels(labels: torch.Tensor, ignore_index: Optional[int]) -> Tuple[torch.Te
     return index.masked_fill(~valid, 0), valid
 
 
-def _results(logits, index, valid, plan: loops.Plan, stats: loops.Stats) -> Tuple[torch.Tensor, ...]:
+def _results(logits, index, valid, plan: loops.Plan) -> Tuple[Tuple[torch.Tensor, ...], loops.Stats]:
+    stats = loops.forward(logits, plan, index if plan.want_logprobs else None)
     lead = logits.shape[:-1]
     outs = []
     if plan.want_logprobs:
-        picked = logits.reshape(-1, logits.shape[-1]) if logits.dim() == 1 else logits
-        picked = picked.gather(-1, index.view(*picked.shape[:-1], 1)).reshape(-1).to(stats.m.dtype)
-        if plan.temperature != 1.0:
-            picked = picked / plan.temperature  # the same rounding as the chunk's y
-        lp = (picked - stats.m) - stats.logz
-        if valid is not None:
-            lp = lp.masked_fill(~valid, 0.0)
-        outs.append(lp.view(lead))
+        outs.append(loops.logprobs(logits, plan, index, valid, stats).view(lead))
     if plan.want_entropy:
         outs.append((stats.logz - stats.mean_z).view(lead))
-    return tuple(outs)
+    return tuple(outs), stats
 
 
 class _ChunkedFunction(torch.autograd.Function):
@@ -113,11 +107,11 @@ class _ChunkedFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, index, valid, plan, inplace):
-        stats = loops.forward(logits, plan)
+        outs, stats = _results(logits, index, valid, plan)
         ctx.save_for_backward(logits)
         ctx.plan, ctx.stats, ctx.index, ctx.valid, ctx.inplace = plan, stats, index, valid, inplace
         ctx.set_materialize_grads(False)
-        return _results(logits, index, valid, plan, stats)
+        return outs
 
     @staticmethod
     @once_differentiable
@@ -154,7 +148,7 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, want_logpr
     if torch.is_grad_enabled() and logits.requires_grad:
         outs = _ChunkedFunction.apply(logits, index, valid, plan, inplace_backward)
     else:
-        outs = _results(logits, index, valid, plan, loops.forward(logits, plan))
+        outs = _results(logits, index, valid, plan)[0]
     return outs if len(outs) > 1 else outs[0]
 
 
