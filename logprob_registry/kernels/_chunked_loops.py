@@ -2,16 +2,20 @@
 
 Rows of the logits are visited in chunks of a fixed number of rows, each upcast (when needed) into
 a small workspace that stays in cache, so no tensor of the logits' size is ever made besides the
-gradient the caller asked for. Per row the forward keeps only
+gradient the caller asked for. Each chunk goes through torch's own softmax kernel (one fused pass
+per row, the fastest exp torch has on the CPU), ``p = softmax(y)`` with ``y = logits / T``. That
+kernel's internal sum is a plain running sum, so ``p`` is off by a factor ``norm = sum(p)`` (1 up to
+that rounding); torch's row sum of ``p`` is accurate to fp32 rounding and undoes it. Per row:
 
-* ``m``: the row maximum of ``y = logits / temperature``,
-* ``norm``: the sum of ``softmax(y)`` as torch computed it (1 up to its rounding), and
-* ``logz = log(sum(exp(y - m)))``, recovered exactly as ``log(norm / max(softmax(y)))``: the
-  maximum's probability is ``exp(0) / s``, so the ratio is ``s`` whatever rounding the softmax
-  kernel's own sum made, and torch's row sum of the probabilities is accurate to fp32 rounding.
+* log-probabilities alone: ``logprob = log(p[label] / norm)``; a row whose ``p[label]`` is so small
+  that it lost precision (under ``2**24`` times the smallest normal number) or underflowed to zero
+  is redone by the exact path below;
+* otherwise ``m = max(y)`` and ``logz = log(sum(exp(y - m))) = log(norm / max(p))`` (the maximum's
+  probability is ``exp(0) / s``), so ``logprob = (y[label] - m) - logz`` and
+  ``entropy = logz - sum(p * (y - m)) / norm``, both without cancellation.
 
-so ``logprob = (y[label] - m) - logz`` and ``entropy = logz - sum(p * (y - m)) / norm``, both
-without cancellation. The backward recomputes ``softmax(y)`` chunk by chunk.
+The backward keeps only ``norm`` (and ``m``, ``E_q[y - m]`` for the entropy) and recomputes
+``softmax(y)`` chunk by chunk.
 
 Batch invariance: every op on a chunk is row-wise (softmax, a row max, a row sum, elementwise),
 and torch runs each of them row by row whatever the number of rows, except a row sum over a single
@@ -126,10 +130,14 @@ class _Workspace:
         return y
 
 
-def _row_sum(t: torch.Tensor) -> torch.Tensor:
-    if t.shape[0] == 1:  # torch may split a lone row's sum across threads; two rows it never splits
-        return t.expand(2, t.shape[1]).sum(-1)[:1]
-    return t.sum(-1)
+def _reduce_into(op, t: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """``op(t, -1)`` (a row reduction) of the first ``len(dest)`` rows of ``t``, into ``dest``."""
+    r = dest.shape[0]
+    if t.shape[0] == r and r > 1:
+        return op(t, -1, out=dest)
+    if t.shape[0] == 1:  # torch may split a lone row's reduction across threads; two rows it never splits
+        t = t.expand(2, t.shape[1])
+    return dest.copy_(op(t, -1)[:r])
 
 
 def _z_times_p(y: torch.Tensor, m: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -158,21 +166,21 @@ def forward(logits: torch.Tensor, plan: Plan, index: Optional[torch.Tensor] = No
     if n:
         rows = plan.rows_per_chunk if plan.fixed_shape else min(plan.rows_per_chunk, n)
         ws = _Workspace(rows, vocab, cdt, dev, plan.fixed_shape)
+        index2 = None if full else index.view(-1, 1)
+        plabel2 = None if full else plabel.view(-1, 1)
         for start, chunk in chunks(logits, plan.rows_per_chunk):
-            r = chunk.shape[0]
-            sl = slice(start, start + r)
+            end = start + chunk.shape[0]
             y = ws.load(chunk, plan.temperature)
-            p = torch.softmax(y, -1, out=ws.p[: y.shape[0]])
-            norm[sl] = _row_sum(p)[:r]
+            p = torch.softmax(y, -1, out=ws.p if y.shape[0] == rows else ws.p[: y.shape[0]])
+            _reduce_into(torch.sum, p, norm[start:end])
             if not full:
-                plabel[sl] = p[:r].gather(1, index[sl].unsqueeze(-1)).squeeze(-1)
+                torch.gather(p[: end - start], 1, index2[start:end], out=plabel2[start:end])
                 continue
-            rm = y.amax(-1)
-            m[sl] = rm[:r]
-            pmax[sl] = p.amax(-1)[:r]
+            _reduce_into(torch.amax, y, m[start:end])
+            _reduce_into(torch.amax, p, pmax[start:end])
             if pz is not None:
-                z = _z_times_p(y, rm, p, out=ws.y[: y.shape[0]])
-                pz[sl] = _row_sum(z)[:r]
+                z = _z_times_p(y, _pad(m[start:end], y.shape[0]), p, out=ws.y[: y.shape[0]])
+                _reduce_into(torch.sum, z, pz[start:end])
     if not full:
         return Stats(norm, plabel=plabel)
     logz = torch.log(norm / pmax)
@@ -259,8 +267,7 @@ def backward(
         sl = slice(start, start + r)
         z = None
         if b is not None:
-            z = _z_times_p(y, stats.m[sl] if y.shape[0] == r else _pad(stats.m[sl], y.shape[0]),
-                           p, out=ws.y[: y.shape[0]])[:r]
+            z = _z_times_p(y, _pad(stats.m[sl], y.shape[0]), p, out=ws.y[: y.shape[0]])[:r]
         if onehot is not None and b is None:
             # grad = a * (p - norm * onehot): one rounding, written straight into dest
             p_rows.scatter_add_(1, index[sl].unsqueeze(-1), -stats.norm[sl].unsqueeze(-1))
@@ -277,5 +284,6 @@ def backward(
 
 
 def _pad(v: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.cat([v, v.new_zeros(rows - v.shape[0])])
+    """``v`` with zeros appended up to ``rows`` entries (the padded rows of a fixed-shape chunk)."""
+    return v if v.shape[0] == rows else torch.cat([v, v.new_zeros(rows - v.shape[0])])
 

@@ -3,12 +3,12 @@
 Rows of the logits are processed a chunk at a time, each chunk upcast to fp32 (fp64 for fp64
 input) in a workspace of a few MiB that stays in cache: the forward never makes a copy of the
 logits, whatever their dtype or strides (``logits[:, :-1]`` included), and never computes in
-bf16/fp16. The backward keeps only the logits and three numbers per row, recomputes the softmax
-chunk by chunk and writes ``(onehot - softmax) * grad / temperature`` (plus the entropy term when
-asked) into the gradient. Pure PyTorch, so it runs wherever torch runs.
+bf16/fp16. The backward keeps only the logits and one to three numbers per row, recomputes the
+softmax chunk by chunk and writes ``(onehot - softmax) * grad / temperature`` (plus the entropy
+term when asked) into the gradient. Pure PyTorch, so it runs wherever torch runs.
 
 Workspace: the two chunk buffers together take at most :func:`workspace_bytes` bytes (default
-``DEFAULT_WORKSPACE_BYTES``, 4 MiB; at least two rows whatever the budget). Set it with
+``DEFAULT_WORKSPACE_BYTES``, 8 MiB; at least two rows whatever the budget). Set it with
 :func:`set_workspace_bytes` or the environment variable ``LOGPROB_REGISTRY_CHUNKED_WORKSPACE``
 (bytes, or a number with a ``K``/``KiB``/``M``/``MiB``/``G``/``GiB`` suffix). The budget changes
 speed only: a row's result is the same bits whatever the budget, on the CPU.
@@ -36,7 +36,7 @@ from logprob_registry import reference as ref
 from . import _chunked_loops as loops
 from . import chunked_hidden
 
-DEFAULT_WORKSPACE_BYTES = 4 << 20
+DEFAULT_WORKSPACE_BYTES = 8 << 20
 WORKSPACE_ENV = "LOGPROB_REGISTRY_CHUNKED_WORKSPACE"
 # Devices whose row kernels work row by row whatever the shape; elsewhere chunks get a fixed shape.
 ROW_WISE_DEVICES = frozenset({"cpu"})
