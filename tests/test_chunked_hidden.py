@@ -96,6 +96,15 @@ def make_inputs(n=37, h=24, v=97, dtype=torch.float32, bias=True, seed=0, lead=N
     return hidden, weight, b, labels
 
 
+def _leaf(t, requires_grad):
+    """A leaf copy of ``t`` with the same strides, gaps included (``clone`` would close them)."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        out.copy_(t)
+    assert out.stride() == t.stride()
+    return out.requires_grad_(requires_grad)
+
+
 def check_against_reference(backend, hidden, weight, bias, labels, *, temperature=1.0, ignore_index=None,
                             return_entropy=False, grads=True, seed=1):
     """Values and the gradients of hidden, weight and bias against float64 autograd of the reference.
@@ -103,7 +112,7 @@ def check_against_reference(backend, hidden, weight, bias, labels, *, temperatur
     Both outputs enter the loss with random weights when the entropy is returned, so its gradient
     is checked too."""
     dtype = hidden.dtype
-    leaves = [t.detach().clone().requires_grad_(grads) if t is not None else None for t in (hidden, weight, bias)]
+    leaves = [_leaf(t, grads) if t is not None else None for t in (hidden, weight, bias)]
     refs = [t.detach().double().requires_grad_(grads) if t is not None else None for t in (hidden, weight, bias)]
     kw = dict(temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy)
     got = lr.logprobs_from_hidden(leaves[0], leaves[1], labels, bias=leaves[2], backend=backend, **kw)
@@ -157,17 +166,22 @@ def check_shapes(backend):
     check_against_reference(backend, hidden, weight, bias, labels, return_entropy=True)
     hidden, weight, bias, labels = make_inputs(v=1)
     check_against_reference(backend, hidden, weight, bias, labels, return_entropy=True)
+    hidden, weight, bias, labels = make_inputs(n=20, v=300)
+    check_against_reference(backend, hidden, weight, bias, labels.int(), ignore_index=299, return_entropy=True)
 
 
 def check_layouts(backend):
     """Non-contiguous hidden (``hidden[:, :-1]``), a weight that is a slice of a wider matrix, and
     one stored transposed."""
     hidden, weight, bias, labels = make_inputs(n=40, lead=(4, 10))
+    assert not hidden[:, :-1].is_contiguous()
     check_against_reference(backend, hidden[:, :-1], weight, bias, labels[:, 1:], return_entropy=True)
     wide = torch.randn(97, 40)
     wide[:, :24] = weight
     check_against_reference(backend, hidden, wide[:, :24], bias, labels)
     check_against_reference(backend, hidden, weight.t().contiguous().t(), bias, labels, temperature=0.5)
+    check_against_reference(backend, hidden[:, ::2], weight[::3], bias[::3], labels[:, ::2] // 3,
+                            return_entropy=True)
 
 
 def check_tied_embeddings(backend):
@@ -382,6 +396,19 @@ def test_weight_gradient_accumulates_once_per_use():
     assert_matches(g, g64, torch.float32, g64.abs().max().item(), "weight grad over two calls")
 
 
+@pytest.mark.parametrize("used", ["logprobs", "entropy"])
+def test_one_output_used(used):
+    """Only one of the two outputs enters the loss: the other's gradient is None, not zeros."""
+    hidden, weight, bias, labels = make_inputs()
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    refs = [t.double().requires_grad_(True) for t in (hidden, weight, bias)]
+    got = _direct(leaves[0], leaves[1], leaves[2], labels, 4096, return_entropy=True, ignore_index=3)
+    want = ref.logprobs_from_hidden(refs[0], refs[1], labels, bias=refs[2], return_entropy=True, ignore_index=3)
+    k = 0 if used == "logprobs" else 1
+    for a, b in zip(torch.autograd.grad(got[k].sum(), leaves), torch.autograd.grad(want[k].sum(), refs)):
+        assert_matches(a, b, torch.float32, b.abs().max().item(), f"grad through {used} only")
+
+
 def test_only_requested_gradients():
     hidden, weight, bias, labels = make_inputs()
     w = weight.clone().requires_grad_(True)
@@ -391,3 +418,18 @@ def test_only_requested_gradients():
     with torch.no_grad():
         out = _direct(hidden, w, bias, labels, 4096)
     assert out.grad_fn is None and out.dtype == torch.float32
+
+
+def test_entropy_output_modified_in_place():
+    """Backward does not read the entropy tensor handed to the caller, who may overwrite it."""
+    hidden, weight, bias, labels = make_inputs()
+    grads = []
+    for overwrite in (False, True):
+        leaf = hidden.clone().requires_grad_(True)
+        lp, ent = _direct(leaf, weight, bias, labels, 4096, return_entropy=True)
+        loss = lp.sum() + ent.sum()
+        if overwrite:
+            with torch.no_grad():
+                ent.zero_()
+        grads.append(torch.autograd.grad(loss, leaf)[0])
+    assert torch.equal(grads[0], grads[1])

@@ -192,11 +192,12 @@ def _forward(hidden, weight, bias, lab: _Labels, temperature, entropy, tiles: Pl
     return logp, lse, ent
 
 
-def _backward(hidden, weight, bias, lab: _Labels, temperature, lse, ent, g_lp, g_ent, need, tiles: Plan):
+def _backward(hidden, weight, bias, lab: _Labels, temperature, lse, sbar, g_lp, g_ent, need, tiles: Plan):
     """Gradients of hidden, weight and bias from per-token gradients of logp and entropy.
 
     With ``z = logits / T`` and ``p = softmax(z)``: ``d logp / dz = onehot - p`` and
-    ``d ent / dz = -p (z - sum p z)``; each tile's ``dz / T`` then meets the weight and hidden.
+    ``d ent / dz = -p (z - sum p z)`` (``sbar`` is ``sum p z`` per token); each tile's ``dz / T``
+    then meets the weight and hidden.
     """
     n, v, hdim = hidden.shape[0], weight.shape[0], hidden.shape[1]
     cd = _compute_dtype(hidden.dtype)
@@ -206,7 +207,6 @@ def _backward(hidden, weight, bias, lab: _Labels, temperature, lse, ent, g_lp, g
     # Fold 1/T into the per-token gradients: dz is linear in them.
     a = None if g_lp is None else (g_lp.to(cd) * inv_t).masked_fill_(~lab.keep, 0.0)
     c = None if g_ent is None else g_ent.to(cd) * inv_t
-    sbar = None if c is None else lse - ent  # sum p z
     gh = torch.zeros(n, hdim, **opts) if need_h else None
     low_w = weight.dtype != cd
     gw = torch.zeros(v, hdim, device=weight.device, dtype=weight.dtype) if need_w else None
@@ -260,19 +260,20 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         lab = _labels(labels, ignore_index)
         logp, lse, ent = _forward(hidden, weight, bias, lab, temperature, entropy, tiles)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, bias, labels, lse, ent)
+        # sum p z rather than the entropy output itself, which the caller may modify in place
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, None if ent is None else lse - ent)
         ctx.options = (temperature, ignore_index, tiles)
         return (logp, ent) if entropy else logp
 
     @staticmethod
     def backward(ctx, g_lp, g_ent=None):
-        hidden, weight, bias, labels, lse, ent = ctx.saved_tensors
+        hidden, weight, bias, labels, lse, sbar = ctx.saved_tensors
         temperature, ignore_index, tiles = ctx.options
         need = tuple(ctx.needs_input_grad[:3])
         if (g_lp is None and g_ent is None) or not any(need):
             return (None,) * 8
         lab = _labels(labels, ignore_index)
-        gh, gw, gb = _backward(hidden, weight, bias, lab, temperature, lse, ent, g_lp, g_ent, need, tiles)
+        gh, gw, gb = _backward(hidden, weight, bias, lab, temperature, lse, sbar, g_lp, g_ent, need, tiles)
         return gh, gw, gb, None, None, None, None, None
 
 
