@@ -66,10 +66,11 @@ def sample(shape, dtype=torch.float32, scale=3.0, seed=0):
 def test_registered_with_its_promises():
     backend = lr.get_registry().get("chunked")
     assert backend.priority == 10
-    assert set(backend.ops) == {"logprobs", "entropy", "logprobs_and_entropy"}
+    assert set(backend.ops) == {"logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden"}
     assert backend.devices == {"cpu", "cuda", "npu", "xpu", "mps"}
     assert backend.inplace_backward and backend.batch_invariant and backend.deterministic
-    assert lr.select("logprobs", device="cpu", dtype=torch.bfloat16, requires_grad=True).name == "chunked"
+    eligible = lr.explain("logprobs", device="cpu", dtype=torch.bfloat16, requires_grad=True).eligible
+    assert eligible.index("chunked") < eligible.index("naive")
 
 
 # ------------------------------------------------------------------------------------------ values
