@@ -36,9 +36,11 @@ from logprob_registry import reference as ref
 # dynamic temperature without a recompile per value needs floats unspecialised (the default since
 # torch 2.6); only torch 2.13 has been tested.
 TORCH_SPEC = ">=2.6"
-# Row reductions stay inside one program (no split of a row across programs): a row's result never
-# depends on the batch around it, on CUDA as on CPU.
-INDUCTOR_OPTIONS = {"split_reductions": False}
+# split_reductions off: a row is reduced inside one program, so that its result never depends on
+# the batch around it, on CUDA as on CPU. cpp.dynamic_threads on: a CPU kernel always has a parallel
+# loop and lets OpenMP size it at run time; otherwise a kernel first compiled for a few rows (in this
+# process or, through inductor's on-disk cache, in another) stays single-threaded for any size.
+INDUCTOR_OPTIONS = {"split_reductions": False, "cpp.dynamic_threads": True}
 # Compiles allowed per kernel (dtypes x layout classes x devices) before it counts as a storm.
 RECOMPILE_LIMIT = 64
 # Rows per block of the eager backward used when a backward kernel cannot be compiled.
@@ -73,13 +75,18 @@ def _fwd_entropy(x, idx, inv_t: float):
 
 
 def _grad_math(x, idx, m, log_s, h, g_lp, g_ent, inv_t: float):
-    """d/dx of g_lp * logp[idx] + g_ent * entropy, in x's dtype (g_lp is 0 where ignored)."""
+    """d/dx of g_lp * logp[idx] + g_ent * entropy, in x's dtype (g_lp is 0 where ignored). The terms
+    of an op's missing output are skipped (``g_lp`` or ``g_ent`` None): lean for ``logprobs``."""
     xf = _upcast(x)
     logp = (xf - m) * inv_t - log_s
     p = logp.exp()
-    hit = torch.arange(x.shape[-1], device=x.device) == idx
-    dent = torch.where(torch.isneginf(xf), 0.0, p * (logp + h))
-    return ((torch.where(hit, g_lp, 0.0) - g_lp * p - g_ent * dent) * inv_t).to(x.dtype)
+    grad = 0.0
+    if g_lp is not None:
+        hit = torch.arange(x.shape[-1], device=x.device) == idx
+        grad = torch.where(hit, g_lp, 0.0) - g_lp * p
+    if g_ent is not None:
+        grad = grad - g_ent * torch.where(torch.isneginf(xf), 0.0, p * (logp + h))
+    return (grad * inv_t).to(x.dtype)
 
 
 def _bwd(x, idx, m, log_s, h, g_lp, g_ent, inv_t: float):
@@ -132,17 +139,7 @@ class CompileError(RuntimeError):
 
 
 def _run(name: str, *args):
-    """Run compiled kernel ``name``; a failure to compile or run becomes a :class:`CompileError`.
-
-    The leading dims of every tensor are marked dynamic, so that one compile covers every batch and
-    sequence length; the vocabulary size stays static until a second one is seen (torch's
-    automatic dynamic shapes then make it dynamic too).
-    """
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            for d in range(a.dim() - 1):
-                if a.shape[d] >= 2:
-                    torch._dynamo.mark_dynamic(a, d)
+    """Run compiled kernel ``name``; a failure to compile or run becomes a :class:`CompileError`."""
     try:
         with torch.no_grad():  # one grad mode for every call: the kernels specialise on it
             return _kernel(name)(*args)
@@ -249,23 +246,29 @@ _warm: set = set()
 _eager_backward: Dict[tuple, str] = {}
 
 
-def _grad_args(idx, ignored, m, log_s, h, g_lp, g_ent, inv_t) -> tuple:
+def _grad_args(want: tuple, idx, ignored, m, log_s, h, g_lp, g_ent, inv_t) -> tuple:
     """The backward kernel's arguments after the logits, each its own contiguous N-sized tensor (the
-    compiled kernel specialises on aliasing and strides), then the scale; a missing one is zeros."""
+    compiled kernel specialises on aliasing and strides), then the scale. ``want`` is the op's
+    (logprobs, entropy): the parts of an output it lacks are None, of one it has, zeros if absent."""
     def given(t):
         return torch.zeros_like(m) if t is None else _plain(t.reshape(m.shape).to(m.dtype))
 
-    g_lp = given(g_lp)
-    if ignored is not None:
-        g_lp = g_lp.masked_fill(ignored, 0.0)
-    return idx, m, log_s, given(h), g_lp, given(g_ent), inv_t
+    want_logp, want_entropy = want
+    if want_logp:
+        g_lp = given(g_lp)
+        if ignored is not None:
+            g_lp = g_lp.masked_fill(ignored, 0.0)
+    else:
+        idx = g_lp = None
+    h, g_ent = (given(h), given(g_ent)) if want_entropy else (None, None)
+    return idx, m, log_s, h, g_lp, g_ent, inv_t
 
 
-def _warm_backward(rows: torch.Tensor, inv_t: float, inplace: bool) -> None:
+def _warm_backward(rows: torch.Tensor, want: tuple, inv_t: float, inplace: bool) -> None:
     """Compile now, on a few rows of the same layout class, the backward kernel that this forward's
     backward will use: a failure then raises from the forward, where the registry can fall back."""
     target = next(_planes(rows))[1] if inplace else rows
-    key = ("bwd_inplace" if inplace else "bwd",) + _layout(target)
+    key = ("bwd_inplace" if inplace else "bwd", want) + _layout(target)
     if key in _warm:
         return
     # 2 rows (1 if the input has one), of unequal sizes per dim so that none is taken for another
@@ -276,15 +279,15 @@ def _warm_backward(rows: torch.Tensor, inv_t: float, inplace: bool) -> None:
     lead = sample.shape[:-1] + (1,)
     m = torch.zeros(lead, dtype=ref.result_dtype(rows.dtype), device=rows.device)
     idx = torch.zeros(lead, dtype=torch.int64, device=rows.device)
-    _run(key[0], sample, *_grad_args(idx, None, m, torch.zeros_like(m), None, None, None, inv_t))
+    _run(key[0], sample, *_grad_args(want, idx, None, m, torch.zeros_like(m), None, None, None, inv_t))
     with _lock:
         _warm.add(key)
 
 
-def _grad(rows: torch.Tensor, args: tuple, inplace: bool) -> Optional[torch.Tensor]:
+def _grad(rows: torch.Tensor, want: tuple, args: tuple, inplace: bool) -> Optional[torch.Tensor]:
     """The gradient for ``rows`` (written into them when ``inplace``, and None returned)."""
     name = "bwd_inplace" if inplace else "bwd"
-    key = (name,) + _layout(rows)
+    key = (name, want) + _layout(rows)
     if key not in _eager_backward:
         try:
             return _run(name, rows, *args)
@@ -314,7 +317,7 @@ class _LogSoftmaxOps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, inv_t, ignore_index, want_logp, want_entropy, inplace):
         f = _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy)
-        _warm_backward(f.rows, inv_t, inplace)
+        _warm_backward(f.rows, (want_logp, want_entropy), inv_t, inplace)
         ctx.options = (inv_t, want_logp, want_entropy, inplace)
         ctx.save_for_backward(logits, f.idx, f.ignored, f.m, f.log_s, f.entropy)
         outputs = _outputs(f, logits.shape[:-1])
@@ -328,13 +331,14 @@ class _LogSoftmaxOps(torch.autograd.Function):
         g_lp = grads[0] if want_logp else None
         g_ent = grads[-1] if want_entropy else None
         rows = _rows(logits)
-        args = _grad_args(idx, ignored, m, log_s, h, g_lp, g_ent, inv_t)
+        want = (want_logp, want_entropy)
+        args = _grad_args(want, idx, ignored, m, log_s, h, g_lp, g_ent, inv_t)
         if inplace:
             for index, plane in _planes(rows):
-                _grad(plane, _take(args, index), inplace=True)
+                _grad(plane, want, _take(args, index), inplace=True)
             grad = logits.detach()  # a fresh alias: autograd keeps it as .grad without a copy
         else:
-            grad = _grad(rows, args, inplace=False).view(logits.shape)
+            grad = _grad(rows, want, args, inplace=False).view(logits.shape)
         return grad, None, None, None, None, None, None
 
 
@@ -381,18 +385,14 @@ def _compiler_candidates() -> tuple:
 
 
 def available(env) -> Optional[str]:
-    """Why torch.compile cannot run in this process at all, or None."""
-    dynamo = getattr(torch, "_dynamo", None)
-    if dynamo is not None and getattr(dynamo.config, "disable", False):
+    """Why torch.compile is off in this process, or None. Imports nothing: torch._dynamo is consulted
+    only when something else already imported it. (A Python that torch.compile does not support
+    shows up at the first call, as a run-time fallback.)"""
+    dynamo = sys.modules.get("torch._dynamo")
+    if os.environ.get("TORCHDYNAMO_DISABLE", "") not in ("", "0") or (
+        dynamo is not None and getattr(dynamo.config, "disable", False)
+    ):
         return "torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1 or torch._dynamo.config.disable)"
-    if os.environ.get("TORCHDYNAMO_DISABLE", "") not in ("", "0"):
-        return "torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1)"
-    try:
-        supported = torch._dynamo.is_dynamo_supported()
-    except Exception:  # a torch too old or too new to say
-        supported = True
-    if not supported:
-        return f"torch.compile does not support this Python ({env.python_version}) with torch {env.torch_version}"
     return None
 
 
