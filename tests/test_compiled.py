@@ -255,7 +255,7 @@ def test_compile_failure_falls_back_with_one_warning_and_raises_when_chosen(fres
     assert len(messages) == 1
     assert "backend 'compiled' failed" in messages[0] and "injected inductor failure" in messages[0]
     assert "using 'chunked' instead" in messages[0]
-    expected = lr.logprobs_from_logits(logits, labels, ignore_index=-100, backend="naive")
+    expected = lr.logprobs_from_logits(logits, labels, ignore_index=-100, backend="chunked")
     assert torch.equal(out, expected) and torch.equal(again, expected)
     with pytest.raises(compiled.CompileError, match="fwd_logprobs kernel failed .* injected inductor failure"):
         lr.logprobs_from_logits(logits, labels, ignore_index=-100, backend="compiled")
