@@ -273,15 +273,27 @@ def _warm_backward(rows: torch.Tensor, want: tuple, inv_t: float, inplace: bool)
         return
     # 2 rows (1 if the input has one), of unequal sizes per dim so that none is taken for another
     sample = target[tuple(slice(0, min(n, 2 + i)) for i, n in enumerate(target.shape[:-1]))].detach()
-    if inplace:  # a scratch copy with the same strides: the real logits must not be written
-        sample = torch.empty_strided(sample.shape, target.stride(), dtype=target.dtype, device=target.device)
-        sample.zero_()
+    if inplace:  # the real logits must not be written: a scratch of the same layout class
+        sample = _scratch(sample, target)
     lead = sample.shape[:-1] + (1,)
     m = torch.zeros(lead, dtype=ref.result_dtype(rows.dtype), device=rows.device)
     idx = torch.zeros(lead, dtype=torch.int64, device=rows.device)
     _run(key[0], sample, *_grad_args(want, idx, None, m, torch.zeros_like(m), None, None, None, inv_t))
     with _lock:
         _warm.add(key)
+
+
+def _scratch(sample: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped like ``sample`` with ``target``'s strides, or, where those would span much more
+    memory than the sample (a vocabulary-strided layout), dense in ``target``'s stride order."""
+    strides = list(target.stride())
+    span = 1 + sum((n - 1) * st for n, st in zip(sample.shape, strides))
+    if span > 4 * sample.numel():
+        size = 1
+        for d in sorted(range(sample.dim()), key=lambda d: strides[d]):
+            strides[d], size = size, size * sample.shape[d]
+        span = size
+    return torch.zeros(span, dtype=target.dtype, device=target.device).as_strided(sample.shape, strides).detach()
 
 
 def _grad(rows: torch.Tensor, want: tuple, args: tuple, inplace: bool) -> Optional[torch.Tensor]:
