@@ -223,6 +223,38 @@ def test_backward_allocates_only_the_gradient():
     assert _largest_allocation(lambda: out.sum().backward()) < size / 20
 
 
+def _peak(make) -> int:
+    """Peak bytes the call ``make()`` returns adds (resident memory), the least of three readings
+    (noise only adds)."""
+    from logprob_registry.testing.memory import MemoryMeasurementUnavailable, peak_extra_bytes
+    try:
+        return min(peak_extra_bytes(make(), torch.device("cpu"))[1] for _ in range(3))
+    except MemoryMeasurementUnavailable as exc:
+        pytest.skip(f"cannot measure peak memory here: {exc}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_peak_memory_stays_within_the_workspace(dtype):
+    budget = 1 << 20
+    chunked.set_workspace_bytes(budget)
+    logits, labels = sample((2, 513, 4096), dtype)
+    logits, labels = logits[:, :-1], labels[:, 1:]  # strided; 8 MiB in fp32, 4 MiB in bf16
+    size = logits.numel() * logits.element_size()
+    slack = 256 << 10  # per-row vectors and allocator rounding
+    assert _peak(lambda: lambda: lp(logits, labels)) <= budget + slack
+    assert _peak(lambda: lambda: both(logits, labels, temperature=0.7)) <= budget + slack
+
+    def backward(inplace):
+        def make():
+            x = logits.detach().clone() if inplace else logits.detach()
+            out = both(x.requires_grad_(True), labels, inplace_backward=inplace)
+            return lambda: (out[0].sum() + out[1].sum()).backward()
+        return make
+
+    assert _peak(backward(False)) <= size + budget + slack  # the gradient and the workspace
+    assert _peak(backward(True)) <= budget + slack  # the workspace only
+
+
 # ---------------------------------------------------------------------------------- chunk boundaries
 @pytest.mark.parametrize("workspace", [1, 3000, 1 << 20])
 @pytest.mark.parametrize("rows", [1, 2, 5, 17])

@@ -265,21 +265,24 @@ def backward(
         p = torch.softmax(y, -1, out=ws.p[: y.shape[0]])
         p_rows = p[:r]
         sl = slice(start, start + r)
-        z = None
-        if b is not None:
-            z = _z_times_p(y, _pad(stats.m[sl], y.shape[0]), p, out=ws.y[: y.shape[0]])[:r]
-        if onehot is not None and b is None:
-            # grad = a * (p - norm * onehot): one rounding, written straight into dest
+        # Written straight into dest when it has the compute dtype; otherwise formed in the
+        # workspace and copied (an out= of another dtype would allocate a chunk-sized temporary).
+        direct = dest.dtype == cdt
+        if b is None:  # log-probabilities only: grad = a * (p - norm * onehot)
             p_rows.scatter_add_(1, index[sl].unsqueeze(-1), -stats.norm[sl].unsqueeze(-1))
-            torch.mul(p_rows, a[sl].unsqueeze(-1), out=dest)
+            if direct:
+                torch.mul(p_rows, a[sl].unsqueeze(-1), out=dest)
+            else:
+                dest.copy_(p_rows.mul_(a[sl].unsqueeze(-1)))
             continue
+        z = _z_times_p(y, _pad(stats.m[sl], y.shape[0]), p, out=ws.y[: y.shape[0]])[:r]
         p_rows.mul_(a[sl].unsqueeze(-1))
         if onehot is not None:
             p_rows.scatter_add_(1, index[sl].unsqueeze(-1), onehot[sl].unsqueeze(-1))
-        if z is not None:
+        if direct:
             torch.addcmul(p_rows, z, b[sl].unsqueeze(-1), out=dest)
         else:
-            dest.copy_(p_rows)
+            dest.copy_(p_rows.addcmul_(z, b[sl].unsqueeze(-1)))
     return out
 
 

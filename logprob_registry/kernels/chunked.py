@@ -190,5 +190,7 @@ def register_backends(register):
         inplace_backward=True,
         batch_invariant=True,
         deterministic=True,
+        memory="two fp32 chunk buffers within the workspace budget (8 MiB by default) and a few "
+               "floats per row; backward: the gradient, none with inplace_backward",
         description="rows in cache-sized fp32 chunks; no copy of the logits; backward recomputes softmax",
     ))
