@@ -114,9 +114,8 @@ class _Workspace:
     def load(self, chunk: torch.Tensor, temperature: float) -> torch.Tensor:
         """``chunk / temperature`` in the compute dtype: the chunk itself when nothing changes."""
         r = chunk.shape[0]
-        if (not self.fixed and temperature == 1.0 and chunk.dtype == self.dtype
-                and chunk.stride(-1) == 1):
-            return chunk
+        if not self.fixed and temperature == 1.0 and chunk.dtype == self.dtype and chunk.is_contiguous():
+            return chunk  # (softmax would copy a non-contiguous chunk anyway, outside the budget)
         if self.fixed:
             y = self.y
             y[:r].copy_(chunk)
