@@ -206,6 +206,18 @@ def test_inplace_gradient_of_a_leaf_is_kept_without_a_copy():
     assert x.grad.data_ptr() == x.data_ptr()
 
 
+@needs_compiler
+def test_inplace_backward_of_expanded_logits_is_done_out_of_place():
+    logits, labels = case()
+    row = logits[:1].detach().requires_grad_(True)
+    wide = row.expand(3, -1, -1)  # three views of the same memory: not writable in place
+    lr.logprobs_from_logits(wide, labels, ignore_index=-100, inplace_backward=True, backend="compiled").sum().backward()
+    expected = logits[:1].detach().double().requires_grad_(True)
+    ref.logprobs(expected.expand(3, -1, -1), labels, ignore_index=-100).sum().backward()
+    torch.testing.assert_close(row.grad.double(), expected.grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(row.detach(), logits[:1])
+
+
 # ----------------------------------------------------------------- these start the compiler afresh
 @pytest.fixture
 def fresh():

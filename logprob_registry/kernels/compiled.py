@@ -188,6 +188,13 @@ def _layout(rows: torch.Tensor) -> tuple:
             rows.device.type, rows.dtype)
 
 
+def _overlapping(x: torch.Tensor) -> bool:
+    """Whether two elements of ``x`` share memory (an expanded tensor): not writable in place."""
+    dims = sorted((st, n) for st, n in zip(x.stride(), x.shape) if n > 1)
+    return any(st < prev_st * prev_n for (prev_st, prev_n), (st, _) in zip(dims, dims[1:])) or \
+        any(st == 0 for st, _ in dims)
+
+
 def _planes(rows: torch.Tensor):
     """``(index, plane)`` for the 2-D ``(R, V)`` views making up ``rows`` (one when it is 2-D)."""
     for index in itertools.product(*map(range, rows.shape[:-2])):
@@ -364,6 +371,7 @@ def _apply(logits, labels, temperature, ignore_index, want_logp, want_entropy, i
         return ref.entropy(logits, temperature=temperature, dtype=dtype)
     inv_t = 1.0 / temperature
     if torch.is_grad_enabled() and logits.requires_grad:
+        inplace = inplace and not _overlapping(logits)  # then honoured out of place
         return _LogSoftmaxOps.apply(logits, labels, inv_t, ignore_index, want_logp, want_entropy, inplace)
     outputs = _outputs(_forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy), logits.shape[:-1])
     return outputs if len(outputs) > 1 else outputs[0]
