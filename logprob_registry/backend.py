@@ -35,11 +35,20 @@ class Backend:
     requires: tuple = ()
     autograd: bool = True
     available: Optional[Callable[["Environment"], Optional[str]]] = None
-    # Capabilities beyond the fixed plugin API, all with conservative defaults.
+    # Capabilities beyond the fixed plugin API, all with conservative defaults. The conformance
+    # suite (logprob_registry.testing) checks each promise a backend makes:
+    #   inplace_backward: with inplace_backward=True its backward writes the logits' gradient into
+    #     the logits' storage (False: it honours the flag out of place);
+    #   batch_invariant: a row's result is bitwise independent of the other rows in the batch;
+    #   deterministic: the same inputs give bitwise the same results;
+    #   copies_logits: it materialises a copy of the (strided) logits, so the suite's no-copy
+    #     memory checks are skipped for it, with that reason (only ``naive`` should need it).
     triton: str = ""
     inplace_backward: bool = False
     batch_invariant: bool = False
     deterministic: bool = True
+    copies_logits: bool = False
+    memory: str = ""  # extra memory beyond inputs and results, in words, e.g. "full-vocab buffer: ..."
     description: str = ""
     # Like ``available``, for a backend whose needs differ by device type: called with the
     # environment and the device type of the call ("cpu", "cuda", ...).

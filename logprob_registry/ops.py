@@ -7,7 +7,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import validation as v
-from .backend import Backend
+from .backend import DEVICE_TYPES, Backend
 from .eligibility import Key
 from .environment import get_environment
 from .registry import get_registry
@@ -134,8 +134,14 @@ def _key(op: str, device, dtype, requires_grad: bool) -> Key:
         )
     if device is None:
         device_type = get_environment().main_device
+    elif isinstance(device, torch.device):
+        device_type = device.type
+    elif isinstance(device, str) and device.split(":")[0] in DEVICE_TYPES:
+        # Parsed here: torch.device("npu") fails unless torch_npu is imported, and explain() must
+        # answer for devices this machine lacks.
+        device_type = device.split(":")[0]
     else:
-        device_type = torch.device(device).type if not isinstance(device, torch.device) else device.type
+        device_type = torch.device(device).type
     return Key(op, device_type, dtype or torch.float32, bool(requires_grad))
 
 

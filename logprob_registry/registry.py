@@ -25,9 +25,19 @@ ENTRY_POINT_GROUP = "logprob_registry"
 ENV_VAR = "LOGPROB_REGISTRY_BACKEND"
 BUILTIN_PLUGINS = (
     "logprob_registry.kernels.naive",
+    "logprob_registry.kernels.chunked",
+    "logprob_registry.kernels.npu",
+    "logprob_registry.kernels.triton",
     "logprob_registry.kernels.compiled",
 )
-BUILTIN_DIST = "logprob-registry (built-in)"
+
+
+def _builtin_dist() -> str:
+    try:
+        return f"logprob-registry {importlib.metadata.version('logprob-registry')} (built-in)"
+    except importlib.metadata.PackageNotFoundError:
+        return "logprob-registry (built-in, not installed)"
+
 
 _forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("logprob_registry_forced", default=None)
 
@@ -64,14 +74,15 @@ class Registry:
             if self._loaded:
                 return
             self._loaded = True
+            builtin_dist = _builtin_dist()
             for path in self._builtins:
                 name = "builtin:" + path.rsplit(".", 1)[-1]
                 try:
                     module = importlib.import_module(path)
                 except Exception as exc:
-                    self._failures.append(PluginFailure(name, BUILTIN_DIST, f"failed to import: {_err(exc)}"))
+                    self._failures.append(PluginFailure(name, builtin_dist, f"failed to import: {_err(exc)}"))
                     continue
-                self.add_plugin(module, name=name, distribution=BUILTIN_DIST)
+                self.add_plugin(module, name=name, distribution=builtin_dist)
             if self._load_entry_points:
                 for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
                     dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"

@@ -30,11 +30,25 @@ def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_b
     )
 
 
+#: Fewer token rows than this are padded with zero rows before the matmul: the CPU matmul takes
+#: another path for a handful of rows, which would make a row's result depend on its batch.
+MIN_GEMM_ROWS = 16
+
+
 def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy):
-    return ref.logprobs_from_hidden(
+    lead, short = labels.shape, MIN_GEMM_ROWS - labels.numel()
+    if short > 0:
+        hidden = torch.cat([hidden.reshape(-1, hidden.shape[-1]), hidden.new_zeros(short, hidden.shape[-1])])
+        labels = torch.cat([labels.reshape(-1), labels.new_zeros(short)])
+    out = ref.logprobs_from_hidden(
         hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
         return_entropy=return_entropy, dtype=_dtype(hidden),
     )
+    if short <= 0:
+        return out
+    if return_entropy:
+        return out[0][: labels.numel() - short].view(lead), out[1][: labels.numel() - short].view(lead)
+    return out[: labels.numel() - short].view(lead)
 
 
 @lr.hookimpl
@@ -52,5 +66,6 @@ def register_backends(register):
         priority=0,
         autograd=True,
         batch_invariant=True,
+        copies_logits=True,
         description="log_softmax + gather in float32; materialises the logits in float32",
     ))

@@ -1,0 +1,149 @@
+"""The child process: ``python -m logprob_registry.benchmark.child SPEC_JSON``.
+
+One child measures one method for one setting, so that a method's compiled caches, allocator
+state or crash never touch the next one. It prints one line, ``MARKER`` followed by JSON:
+
+- ``time``: times of ``repeat`` calls after ``warmup`` calls (device synchronised around each),
+  the largest differences from float64, and on an accelerator the allocator's peak above the
+  inputs (reset before each measured call).
+- ``mem`` (CPU): the peak resident memory above the resident memory just before a call. The
+  parent starts this child with ``MALLOC_MMAP_THRESHOLD_`` pinned, so that glibc returns freed
+  blocks and resident memory follows live memory; the peak is reset through
+  ``/proc/self/clear_refs`` before each call and read from ``VmHWM`` after it.
+- ``probe``: free and total memory of an accelerator, and its name.
+
+An exception becomes ``{"error": "Type: message"}``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+import traceback
+
+MARKER = "@@logprob-registry-bench@@ "
+MEMORY_REPEAT = 2
+
+
+def _accelerator(device_type: str):
+    import torch
+
+    return getattr(torch, device_type) if device_type in ("cuda", "npu", "xpu") else None
+
+
+def _sync(device_type: str):
+    import torch
+
+    mod = getattr(torch, device_type, None) if device_type != "cpu" else None
+    return mod.synchronize if mod is not None and hasattr(mod, "synchronize") else (lambda: None)
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def _load_plugins(specs) -> None:
+    from .plugins import register_plugins
+
+    register_plugins(specs)
+
+
+def measure_time(spec: dict) -> dict:
+    from .settings import Setting
+    from .workload import Workload, max_differences
+
+    s = Setting(**spec["setting"])
+    w = Workload(s, spec["method"])
+    sync = _sync(s.device_type)
+    for _ in range(s.warmup):
+        w.run(w.prepare())
+        w.release()
+    times = []
+    for _ in range(s.repeat):
+        x = w.prepare()
+        sync()
+        start = time.perf_counter()
+        w.run(x)
+        sync()
+        times.append(time.perf_counter() - start)
+        w.release()
+    out = dict(times_s=times)
+    acc = _accelerator(s.device_type)
+    if acc is not None:
+        peak = 0
+        for _ in range(MEMORY_REPEAT):
+            x = w.prepare()
+            sync()
+            acc.reset_peak_memory_stats(s.device)
+            before = acc.memory_allocated(s.device)
+            outs = w.run(x)
+            sync()
+            peak = max(peak, acc.max_memory_allocated(s.device) - before)
+            del outs
+            w.release()
+        out["peak_bytes"] = peak
+    x = w.prepare()
+    outs = w.run(x)
+    out["result_dtype"] = str(outs[0].dtype).replace("torch.", "")
+    diff, grad_diff = max_differences(s, w.logits, w.labels, outs, w.grad())
+    out.update(max_abs_diff=diff, max_abs_diff_grad=grad_diff)
+    return out
+
+
+def measure_memory(spec: dict) -> dict:
+    from .settings import Setting
+    from .workload import Workload
+
+    s = Setting(**spec["setting"])
+    w = Workload(s, spec["method"])
+    for _ in range(s.warmup):
+        w.run(w.prepare())
+        w.release()
+    peak = 0
+    for _ in range(MEMORY_REPEAT):
+        x = w.prepare()
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status("VmRSS:")
+        outs = w.run(x)
+        peak = max(peak, _status("VmHWM:") - before)
+        del outs, x
+        w.release()
+    return dict(peak_bytes=peak)
+
+
+def probe(spec: dict) -> dict:
+    device = spec["setting"]["device"]
+    acc = _accelerator(device.split(":", 1)[0])
+    if acc is None or not hasattr(acc, "mem_get_info"):
+        return dict(free_bytes=None, total_bytes=None, name=None)
+    free, total = acc.mem_get_info(device)
+    name = acc.get_device_name(device) if hasattr(acc, "get_device_name") else None
+    return dict(free_bytes=int(free), total_bytes=int(total), name=name)
+
+
+RUNNERS = {"time": measure_time, "mem": measure_memory, "probe": probe}
+
+
+def main(argv=None) -> int:
+    spec = json.loads((argv or sys.argv[1:])[0])
+    try:
+        _load_plugins(spec.get("plugins", ()))
+        result = RUNNERS[spec["what"]](spec)
+    except Exception as exc:
+        traceback.print_exc()
+        text = str(exc).strip().splitlines()
+        result = dict(error=f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__)
+    print(MARKER + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The results for people (a table per setting) and for machines (one JSON document)."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+from typing import List, Optional
+
+from ..report import table
+
+
+def fmt_time(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    if seconds < 10:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
+
+
+def fmt_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    if abs(n) >= 10 * 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def fmt_ratio(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def fmt_err(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    return "nan" if math.isnan(x) else f"{x:.1e}"
+
+
+def render_run(run: dict) -> str:
+    """One setting's table, with its heading, footnotes and the errors of failed methods."""
+    s = run["settings"]
+    backward = s["backward"]
+    header = ["method", "time", "IQR", "speed-up", "peak memory", "vs baseline", "max |diff|"]
+    if backward:
+        header.append("max |grad diff|")
+    rows = []
+    for r in run["results"]:
+        name = r["name"] + (" *" if r.get("automatic_choice") else "")
+        if r["status"] != "ok":
+            rows.append([name, "FAILED"] + ["-"] * (len(header) - 2))
+            continue
+        row = [name, fmt_time(r["time_median_s"]), fmt_time(r["time_iqr_s"]), fmt_ratio(r["speedup"]),
+               fmt_bytes(r["peak_bytes"]), fmt_ratio(r["memory_ratio"]), fmt_err(r["max_abs_diff"])]
+        if backward:
+            row.append(fmt_err(r["max_abs_diff_grad"]))
+        rows.append(row)
+    rounds = run.get("rounds", 1)
+    calls = f"{s['repeat']} calls" + (f" x {rounds} interleaved rounds" if rounds > 1 else "")
+    lines = [
+        run["title"],
+        f"time: median of {calls}, each process after {s['warmup']} warm-up calls",
+        "speed-up and memory: against the baseline (the textbook formula in the input dtype); "
+        "max |diff|: against float64",
+        "",
+        table(header, rows),
+    ]
+    if run.get("automatic_choice"):
+        lines.append(f"* the backend a call like this uses here (lr.select): {run['automatic_choice']}")
+    for r in run["results"]:
+        if r["status"] != "ok":
+            lines.append(f"FAILED {r['name']}: {r['error']}")
+    lines.append(f"peak memory: {run['memory_method']}")
+    return "\n".join(lines)
+
+
+def render(doc: dict) -> str:
+    return "\n\n".join(render_run(run) for run in doc["runs"])
+
+
+def environment(device_name: Optional[str]) -> dict:
+    import torch
+
+    from ..environment import get_environment
+
+    env = get_environment()
+    return dict(
+        python=platform.python_version(),
+        torch=str(env.torch_version),
+        triton=str(env.triton_version) if env.triton_version else None,
+        platform=platform.platform(),
+        cpu=_cpu_name(),
+        cpu_count=os.cpu_count(),
+        torch_threads=torch.get_num_threads(),
+        device_name=device_name,
+    )
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def document(runs: List[dict], device_name: Optional[str], options: dict) -> dict:
+    from .. import __version__
+
+    return dict(
+        tool="logprob-registry bench",
+        version=__version__,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        options=options,
+        environment=environment(device_name),
+        runs=runs,
+    )

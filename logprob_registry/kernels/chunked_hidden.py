@@ -1,0 +1,310 @@
+"""Fused linear logprobs for the ``chunked`` backend: from hidden states to log-probabilities
+without ever forming the ``(N, V)`` logits.
+
+The logits ``hidden @ weight.T + bias`` exist only to be reduced to one number per token, yet they
+are the largest activation of an RL step. Here they are formed one tile at a time (a block of
+tokens against a block of the vocabulary), in fp32 (fp64 for fp64 inputs), and reduced at once
+with an online log-sum-exp across vocabulary blocks. Backward recomputes each tile to form the
+gradients of hidden, weight and bias; the weight gradient accumulates tile by tile, so no
+``N x V`` buffer exists in either pass.
+
+Chunk budget: a tile of logits holds at most ``chunk_bytes`` bytes (fp32). The working set of a
+tile is about twice that (logits and probabilities), plus, for bf16/fp16 weights, an fp32 copy of
+one vocabulary block of the weight (also capped at ``chunk_bytes``). The budget is, in order: the
+``chunk_bytes=`` keyword, the environment variable ``LOGPROB_REGISTRY_HIDDEN_CHUNK_BYTES``, or
+:data:`DEFAULT_CHUNK_BYTES` for the device type.
+
+bf16/fp16 inputs are upcast to fp32 one block at a time (a bf16 matmul would round the logits to
+bf16, an error of about 1e-2 nats that the numerical contract forbids). Their gradients are
+accumulated in fp32 and rounded once at the end: the hidden gradient through an ``N x H`` fp32
+buffer, the weight gradient one vocabulary block at a time.
+
+Saved for backward: the inputs (hidden flattened to ``(N, H)``, a copy only if its leading dims
+cannot be flattened as a view), the labels, and per token the log-sum-exp and the entropy.
+Batch invariance: the vocabulary blocks do not depend on ``N`` and short tiles are padded to
+:data:`MIN_GEMM_ROWS` rows, so a row's results are bitwise the same whatever the batch, as far as
+the matmul library gives a row the same result for any tile of at least that many rows (true of
+the CPU build tested; not promised by GPU libraries, which pick kernels by shape).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple, Optional
+
+import torch
+
+CHUNK_BYTES_ENV = "LOGPROB_REGISTRY_HIDDEN_CHUNK_BYTES"
+#: Bytes of one fp32 tile of logits, by device type ("default" for the others). Small on the CPU,
+#: where a 1024 x 1024 tile already keeps the matmuls as fast as one big matmul; larger on
+#: accelerators (not measured here), where fewer, larger launches matter more than a few hundred MB.
+DEFAULT_CHUNK_BYTES = {"cpu": 4 << 20, "default": 256 << 20}
+#: Tiles of fewer token rows are padded with zero rows to this many: a matmul library may take
+#: another path for a handful of rows (the CPU one does below 16), which would make a row's
+#: result depend on the size of its batch.
+MIN_GEMM_ROWS = 16
+
+
+__all__ = [
+    "CHUNK_BYTES_ENV", "DEFAULT_CHUNK_BYTES", "MIN_GEMM_ROWS", "Plan", "logprobs_from_hidden", "plan",
+    "resolve_chunk_bytes",
+]
+
+
+class Plan(NamedTuple):
+    """How the ``(N, V)`` logits are cut: ``rows`` tokens by ``cols`` vocabulary entries a tile."""
+
+    rows: int
+    cols: int
+
+
+def resolve_chunk_bytes(device: torch.device, override: Optional[int] = None) -> int:
+    """The tile budget in bytes: ``override``, else the environment variable, else the default."""
+    if override is None:
+        text = os.environ.get(CHUNK_BYTES_ENV, "").strip()
+        if text:
+            try:
+                override = int(text)
+            except ValueError:
+                raise ValueError(f"{CHUNK_BYTES_ENV}={text!r} is not an integer number of bytes") from None
+            what = CHUNK_BYTES_ENV
+        else:
+            return DEFAULT_CHUNK_BYTES.get(device.type, DEFAULT_CHUNK_BYTES["default"])
+    else:
+        what = "chunk_bytes"
+    if isinstance(override, bool) or not isinstance(override, int) or override < 1:
+        raise ValueError(f"{what} must be a positive integer number of bytes, got {override!r}")
+    return override
+
+
+def plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int) -> Plan:
+    """Tile shape for ``n`` tokens, a vocabulary of ``v``, hidden size ``h`` and a byte budget.
+
+    Tiles are as square as the budget allows: a square tile reads the fewest bytes of hidden and
+    weight per logit formed (a 32 x 32768 tile ran 3x slower than a 1024 x 1024 one of the same
+    size on the CPU). The vocabulary block does not depend on ``n``, so that a row's log-sum-exp
+    adds up in the same order whatever the batch. For bf16/fp16 weights a vocabulary block is
+    also capped so that its fp32 copy fits the budget.
+    """
+    elem = 8 if dtype == torch.float64 else 4
+    cells = max(1, budget // elem)
+    cols = min(max(v, 1), max(1, math.isqrt(cells)))
+    if dtype in (torch.float16, torch.bfloat16):
+        cols = min(cols, max(1, budget // (4 * max(h, 1))))
+    rows = min(max(n, 1), max(1, cells // cols))
+    return Plan(rows, cols)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _block(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _padded(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with zero rows appended up to :data:`MIN_GEMM_ROWS` rows (``x`` itself if it has them)."""
+    short = MIN_GEMM_ROWS - x.shape[0]
+    if short <= 0:
+        return x
+    return torch.cat([x, x.new_zeros(short, x.shape[1])])
+
+
+def _tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_t: float) -> torch.Tensor:
+    """``(h @ w.T + b) / T`` for one tile, in the compute dtype of ``h`` and ``w``."""
+    rows = h.shape[0]
+    h = _padded(h)
+    z = h @ w.t() if b is None else torch.addmm(b, h, w.t())
+    if inv_t != 1.0:
+        z.mul_(inv_t)
+    return z[:rows]
+
+
+def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` in place, through the same matmul path whatever the number of rows."""
+    if a.shape[0] >= MIN_GEMM_ROWS:
+        acc.addmm_(a, b)
+    else:
+        tmp = _padded(acc)
+        tmp.addmm_(_padded(a), b)
+        acc.copy_(tmp[: acc.shape[0]])
+
+
+class _Labels(NamedTuple):
+    index: torch.Tensor     # int64, ignored positions replaced by 0
+    keep: torch.Tensor      # bool, False at ignored positions
+
+
+def _labels(labels: torch.Tensor, ignore_index: Optional[int]) -> _Labels:
+    index = labels.long()
+    if ignore_index is None:
+        return _Labels(index, torch.ones_like(index, dtype=torch.bool))
+    keep = index != ignore_index
+    return _Labels(index.masked_fill(~keep, 0), keep)
+
+
+def _forward(hidden, weight, bias, lab: _Labels, temperature, entropy, tiles: Plan):
+    """Log-sum-exp, label logit and (if asked) ``sum p z`` per token, tile by tile.
+
+    Returns ``(logp, lse, ent)`` in the compute dtype; ``ent`` is None unless asked.
+    """
+    n, v = hidden.shape[0], weight.shape[0]
+    cd = _compute_dtype(hidden.dtype)
+    inv_t = 1.0 / temperature
+    opts = dict(device=hidden.device, dtype=cd)
+    m = torch.full((n,), float("-inf"), **opts)   # running max
+    s = torch.zeros(n, **opts)                     # running sum of exp(z - m)
+    t = torch.zeros(n, **opts) if entropy else None  # running sum of exp(z - m) * z
+    zl = torch.zeros(n, **opts)                    # the label's logit
+    for v0 in range(0, v, tiles.cols):
+        v1 = min(v, v0 + tiles.cols)
+        w = _block(weight[v0:v1], cd)
+        b = None if bias is None else _block(bias[v0:v1], cd)
+        for r0 in range(0, n, tiles.rows):
+            r1 = min(n, r0 + tiles.rows)
+            z = _tile(_block(hidden[r0:r1], cd), w, b, inv_t)
+            idx = lab.index[r0:r1]
+            inside = (idx >= v0) & (idx < v1) & lab.keep[r0:r1]
+            got = z.gather(1, (idx - v0).clamp_(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1)
+            zl[r0:r1] = torch.where(inside, got, zl[r0:r1])
+            m_old = m[r0:r1]
+            m_new = torch.maximum(m_old, z.amax(1))
+            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
+            alpha = (m_old - m_safe).exp_()
+            if t is None:
+                e = z.sub_(m_safe.unsqueeze(1)).exp_()  # z is not needed any more
+            else:
+                e = (z - m_safe.unsqueeze(1)).exp_()
+            s[r0:r1] = s[r0:r1] * alpha + e.sum(1)
+            if t is not None:
+                # exp(-inf) * -inf is NaN for masked entries; their share is 0. A NaN logit makes
+                # the whole row NaN through the max, so hiding the product's NaN hides nothing.
+                e.mul_(z).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+                t[r0:r1] = t[r0:r1] * alpha + e.sum(1)
+            m[r0:r1] = m_new
+            del e, z
+    m_safe = m.masked_fill(m == float("-inf"), 0.0)
+    lse = m_safe + s.log()
+    logp = (zl - lse).masked_fill_(~lab.keep, 0.0)
+    ent = None if t is None else lse - t / s
+    return logp, lse, ent
+
+
+def _backward(hidden, weight, bias, lab: _Labels, temperature, lse, sbar, g_lp, g_ent, need, tiles: Plan):
+    """Gradients of hidden, weight and bias from per-token gradients of logp and entropy.
+
+    With ``z = logits / T`` and ``p = softmax(z)``: ``d logp / dz = onehot - p`` and
+    ``d ent / dz = -p (z - sum p z)`` (``sbar`` is ``sum p z`` per token); each tile's ``dz / T``
+    then meets the weight and hidden.
+    """
+    n, v, hdim = hidden.shape[0], weight.shape[0], hidden.shape[1]
+    cd = _compute_dtype(hidden.dtype)
+    inv_t = 1.0 / temperature
+    need_h, need_w, need_b = need
+    opts = dict(device=hidden.device, dtype=cd)
+    # Fold 1/T into the per-token gradients: dz is linear in them.
+    a = None if g_lp is None else (g_lp.to(cd) * inv_t).masked_fill_(~lab.keep, 0.0)
+    c = None if g_ent is None else g_ent.to(cd) * inv_t
+    gh = torch.zeros(n, hdim, **opts) if need_h else None
+    low_w = weight.dtype != cd
+    gw = torch.zeros(v, hdim, device=weight.device, dtype=weight.dtype) if need_w else None
+    gb = torch.zeros(v, **opts) if need_b else None
+    for v0 in range(0, v, tiles.cols):
+        v1 = min(v, v0 + tiles.cols)
+        w = _block(weight[v0:v1], cd)
+        b = None if bias is None else _block(bias[v0:v1], cd)
+        gw_blk = None
+        if need_w:
+            gw_blk = torch.zeros(v1 - v0, hdim, **opts) if low_w else gw[v0:v1]
+        for r0 in range(0, n, tiles.rows):
+            r1 = min(n, r0 + tiles.rows)
+            h = _block(hidden[r0:r1], cd)
+            z = _tile(h, w, b, inv_t)
+            if c is None:
+                # d logp / dz = onehot - p: -a p here, +a at the label below
+                dz = z.sub_(lse[r0:r1].unsqueeze(1)).exp_().mul_(a[r0:r1].neg().unsqueeze(1))
+            else:
+                p = (z - lse[r0:r1].unsqueeze(1)).exp_()
+                # coefficient of -p: a + c (z - sum p z); where p is 0 (masked entries) it is 0.
+                z.masked_fill_(p == 0, 0.0)
+                z.sub_(sbar[r0:r1].unsqueeze(1)).mul_(c[r0:r1].unsqueeze(1))
+                if a is not None:
+                    z.add_(a[r0:r1].unsqueeze(1))
+                dz = p.mul_(z).neg_()
+                del p
+            del z
+            if a is not None:
+                idx = lab.index[r0:r1]
+                inside = (idx >= v0) & (idx < v1)
+                src = torch.where(inside, a[r0:r1], torch.zeros((), **opts))
+                dz.scatter_add_(1, (idx - v0).clamp_(0, v1 - v0 - 1).unsqueeze(1), src.unsqueeze(1))
+            if need_h:
+                _add_matmul(gh[r0:r1], dz, w)
+            if need_w:
+                gw_blk.addmm_(dz.t(), h)
+            if need_b:
+                gb[v0:v1] += dz.sum(0)
+            del dz
+        if need_w and low_w:
+            gw[v0:v1].copy_(gw_blk)
+    gh = None if gh is None else gh.to(hidden.dtype)
+    gb = None if gb is None else gb.to(bias.dtype)
+    return gh, gw, gb
+
+
+class _FusedLinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, ignore_index, entropy, tiles):
+        lab = _labels(labels, ignore_index)
+        logp, lse, ent = _forward(hidden, weight, bias, lab, temperature, entropy, tiles)
+        ctx.set_materialize_grads(False)
+        # sum p z rather than the entropy output itself, which the caller may modify in place
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, None if ent is None else lse - ent)
+        ctx.options = (temperature, ignore_index, tiles)
+        return (logp, ent) if entropy else logp
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent=None):
+        hidden, weight, bias, labels, lse, sbar = ctx.saved_tensors
+        temperature, ignore_index, tiles = ctx.options
+        need = tuple(ctx.needs_input_grad[:3])
+        if (g_lp is None and g_ent is None) or not any(need):
+            return (None,) * 8
+        lab = _labels(labels, ignore_index)
+        gh, gw, gb = _backward(hidden, weight, bias, lab, temperature, lse, sbar, g_lp, g_ent, need, tiles)
+        return gh, gw, gb, None, None, None, None, None
+
+
+def logprobs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor],
+    temperature: float,
+    ignore_index: Optional[int],
+    return_entropy: bool,
+    chunk_bytes: Optional[int] = None,
+):
+    """``log_softmax((hidden @ weight.T + bias) / T)[..., labels]`` (and the entropy), tile by tile.
+
+    The backend op behind :func:`logprob_registry.logprobs_from_hidden` (inputs already
+    validated: one dtype for hidden, weight and bias). Results are float32 (float64 for float64
+    input); gradients flow to hidden, weight and bias. ``chunk_bytes`` overrides the tile budget.
+    """
+    lead, hdim = hidden.shape[:-1], hidden.shape[-1]
+    flat = hidden.reshape(-1, hdim)
+    y = labels.reshape(-1)
+    budget = resolve_chunk_bytes(hidden.device, chunk_bytes)
+    tiles = plan(flat.shape[0], weight.shape[0], hdim, hidden.dtype, budget)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if grad:
+        out = _FusedLinearLogprobs.apply(flat, weight, bias, y, temperature, ignore_index, return_entropy, tiles)
+    else:
+        logp, _, ent = _forward(flat, weight, bias, _labels(y, ignore_index), temperature, return_entropy, tiles)
+        out = (logp, ent) if return_entropy else logp
+    if return_entropy:
+        return out[0].view(lead), out[1].view(lead)
+    return out.view(lead)

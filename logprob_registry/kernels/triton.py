@@ -1,0 +1,100 @@
+"""``triton``: fused Triton kernels, one pass over the vocabulary per row, on CUDA (and ROCm).
+
+Logprobs, entropy or both in one read of the logits (online log-sum-exp), in the logits' own dtype
+and any strides, accumulated in float32 (float64 for float64 logits); a backward kernel that
+writes the gradient out of place or over the logits (``inplace_backward``). The kernels live in
+``_triton_kernels`` and are imported only when an op runs: ``import logprob_registry`` never
+imports triton.
+
+On the CPU the kernels run only through triton's interpreter, a debugging and testing tool: with
+``TRITON_INTERPRET=1`` in the environment when this plugin registers, the backend also accepts CPU
+tensors, but with a priority below ``naive`` (and every other built-in), so it is never the
+automatic choice there; it runs only when chosen explicitly, as
+``TRITON_INTERPRET=1 logprob-registry check --backend triton --device cpu`` does. Without the
+variable a CPU tensor gets "runs on cuda, not cpu".
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import logprob_registry as lr
+
+PRIORITY = 30
+INTERPRETER_PRIORITY = -10  # below naive (0): the interpreter is never an automatic choice
+MIN_CAPABILITY = (7, 0)
+
+
+def interpreter_requested() -> bool:
+    """Whether TRITON_INTERPRET asks triton to interpret kernels (read as triton reads it)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes", "y")
+
+
+def _kernels():
+    from . import _triton_kernels
+
+    return _triton_kernels
+
+
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
+    return _kernels().logprobs(logits, labels, temperature, ignore_index, inplace_backward)
+
+
+def entropy(logits, *, temperature):
+    return _kernels().entropy(logits, temperature)
+
+
+def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward):
+    return _kernels().logprobs_and_entropy(logits, labels, temperature, ignore_index, inplace_backward)
+
+
+def available(env) -> "str | None":
+    """CUDA devices too old for triton are refused; ROCm is left to triton's own support."""
+    capability = env.cuda_capability
+    if env.has_device("cuda") and not env.is_rocm and capability is not None and tuple(capability) < MIN_CAPABILITY:
+        return (
+            f"needs CUDA compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer, "
+            f"found {capability[0]}.{capability[1]}"
+        )
+    return None
+
+
+def make_backend(interpret: bool) -> lr.Backend:
+    """The backend record; ``interpret`` adds CPU tensors, at a priority that never wins."""
+    mode = (
+        " TRITON_INTERPRET=1 is set: CPU tensors run through triton's interpreter (slow, for "
+        "testing), only when chosen explicitly."
+        if interpret else " CPU tensors only under TRITON_INTERPRET=1, when chosen explicitly."
+    )
+    return lr.Backend(
+        name="triton",
+        ops={
+            "logprobs": logprobs,
+            "entropy": entropy,
+            "logprobs_and_entropy": logprobs_and_entropy,
+        },
+        devices={"cuda", "cpu"} if interpret else {"cuda"},
+        dtypes={torch.float16, torch.bfloat16, torch.float32, torch.float64},
+        priority=INTERPRETER_PRIORITY if interpret else PRIORITY,
+        # Versions tested: torch 2.13 (CPU, interpreter); triton 3.6 and 3.9 (interpreter, and compiled
+        # for sm_90 and gfx942 without a GPU). See README "Hardware".
+        torch=">=2.13",
+        triton=">=3.6",
+        requires=("triton",),
+        autograd=True,
+        available=available,
+        inplace_backward=True,
+        batch_invariant=True,
+        deterministic=True,
+        description=(
+            "fused Triton kernels: one pass over the vocabulary with an online log-sum-exp, in the "
+            "logits' dtype and strides, fp32 accumulation; in-place backward." + mode
+        ),
+    )
+
+
+@lr.hookimpl
+def register_backends(register):
+    register(make_backend(interpreter_requested()))

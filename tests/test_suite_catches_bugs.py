@@ -1,0 +1,185 @@
+"""The conformance suite itself, run with pytester: each deliberately wrong backend fails the tests
+that guard against its bug (and only those), and correct backends pass the same tests."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "plugins" / "template"
+
+HEADER = '''
+import math
+import sys
+
+import pytest
+import torch
+
+import logprob_registry as lr
+from logprob_registry import reference as ref
+from logprob_registry.testing import BackendConformance
+
+sys.path.insert(0, {template!r})
+import logprob_registry_template as template
+
+
+def good(logits, labels, temperature, ignore_index):
+    return ref.logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index,
+                        dtype=ref.result_dtype(logits.dtype))
+'''
+
+FOOTER = '''
+
+class Plugin:
+    @lr.hookimpl
+    def register_backends(self, register):
+        register(lr.Backend(name={name!r}, ops={{"logprobs": logprobs}}, devices={{"cpu"}},
+                            batch_invariant=True, {extra}))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    registry = lr.get_registry()
+    registry.add_plugin(Plugin(), name="test-plugin-" + {name!r})
+    yield
+    registry.remove_plugin("test-plugin-" + {name!r})
+
+
+class TestIt(BackendConformance):
+    backend = {name!r}
+'''
+
+# name: (backend code, Backend keywords, -k selection, tests expected to fail)
+BUGS = {
+    "bad-sign": (
+        '''
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
+    return -good(logits, labels, temperature, ignore_index)
+''', "", "test_dtypes or test_shapes",
+        {f"test_dtypes[logprobs-{d}]" for d in ("float32", "bfloat16", "float16", "float64")}
+        | {f"test_shapes[logprobs-{s}]" for s in ("1d", "2d", "3d", "4d", "vocab-7", "vocab-50257")}),
+    "bad-bf16-arithmetic": (
+        '''
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
+    # computes in the logits' own dtype and only then casts the result up
+    out = ref.logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=logits.dtype)
+    return out.to(ref.result_dtype(logits.dtype))
+''', "", "test_dtypes", {"test_dtypes[logprobs-bfloat16]", "test_dtypes[logprobs-float16]"}),
+    "bad-copies-strided": (
+        '''
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
+    # the template's blockwise computation, after a .contiguous() that copies strided logits
+    return template.logprobs(logits.contiguous(), labels, temperature=temperature,
+                             ignore_index=ignore_index, inplace_backward=inplace_backward)
+''', "", "test_no_copy or test_forward_keeps or test_strided",
+        {"test_no_copy_of_strided_logits[logprobs]", "test_forward_keeps_no_copy_for_backward[logprobs]"}),
+    "bad-ignores-temperature": (
+        '''
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
+    return good(logits, labels, 1.0, ignore_index)
+''', "", "test_temperature or test_dtypes",
+        {"test_temperature[logprobs-0.5]", "test_temperature[logprobs-2.0]", "test_temperature[logprobs-0.05]"}),
+    "bad-gradient": (
+        '''
+class LogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, ignore_index):
+        ctx.save_for_backward(logits, labels)
+        ctx.ignore_index = ignore_index
+        return good(logits, labels, temperature, ignore_index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, labels = ctx.saved_tensors
+        with torch.enable_grad():
+            x = logits.detach().requires_grad_(True)
+            out = good(x, labels, 1.0, ctx.ignore_index)  # forgets the temperature
+        return torch.autograd.grad(out, x, grad)[0], None, None, None
+
+
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
+    return LogProbs.apply(logits, labels, temperature, ignore_index)
+''', "", "test_gradients or test_dtypes",
+        {f"test_gradients[logprobs-temperature-{d}]" for d in ("float32", "bfloat16", "float16", "float64")}),
+    "bad-mutates-input": (
+        '''
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
+    with torch.no_grad():
+        logits.sub_(logits.amax(-1, keepdim=True))  # "stabilises" the caller's logits in place
+    return good(logits, labels, temperature, ignore_index)
+''', "", "test_inputs_unmodified or test_dtypes[logprobs-float32]", {"test_inputs_unmodified[logprobs]"}),
+}
+
+# Correct backends, on the union of the selections above: everything passes.
+GOOD = {
+    "good-naive-copy": ('''
+logprobs = lambda logits, labels, **kw: good(logits, labels, kw["temperature"], kw["ignore_index"])
+''', "copies_logits=True"),
+    "good-template": ('''
+logprobs = template.logprobs
+''', ""),
+}
+ALL_SELECTIONS = " or ".join(f"({sel})" for _, _, sel, _ in BUGS.values())
+
+
+def _write(pytester, name, code, extra):
+    source = HEADER.format(template=str(TEMPLATE_DIR)) + code + FOOTER.format(name=name, extra=extra)
+    pytester.makepyfile(**{f"test_{name.replace('-', '_')}": source})
+
+
+def _outcomes(result):
+    """{test id: outcome} from the verbose (-v) report lines."""
+    found = {}
+    for line in result.outlines:
+        match = re.search(r"::(test_\S+) (PASSED|FAILED|SKIPPED|ERROR)", line)
+        if match:
+            found[match.group(1)] = match.group(2)
+    return found
+
+
+def _run(pytester, selection):
+    return pytester.runpytest("-p", "no:cacheprovider", "-v", "-rs", "-k", selection)
+
+
+@pytest.mark.parametrize("name", list(BUGS))
+def test_a_wrong_backend_fails_the_tests_that_guard_against_its_bug(pytester, name):
+    code, extra, selection, expected = BUGS[name]
+    _write(pytester, name, code, extra)
+    result = _run(pytester, selection)
+    outcomes = _outcomes(result)
+    failed = {t for t, o in outcomes.items() if o == "FAILED"}
+    assert failed == expected, "\n".join(result.outlines[-40:])
+    assert any(o == "PASSED" for o in outcomes.values()), "nothing passed: the selection tests nothing else"
+    assert result.ret == 1
+
+
+@pytest.mark.parametrize("name", list(GOOD))
+def test_a_correct_backend_passes_the_same_tests(pytester, name):
+    code, extra = GOOD[name]
+    _write(pytester, name, code, extra)
+    result = _run(pytester, ALL_SELECTIONS)
+    outcomes = _outcomes(result)
+    assert result.ret == 0, "\n".join(result.outlines[-40:])
+    assert "FAILED" not in outcomes.values()
+    memory = {t: o for t, o in outcomes.items() if t.startswith("test_no_copy")}
+    if extra == "copies_logits=True":
+        # A backend that declares its copy is skipped there, with that reason, never passed.
+        assert set(memory.values()) == {"SKIPPED"}
+        assert "declares copies_logits=True" in result.stdout.str()
+    else:
+        assert memory["test_no_copy_of_strided_logits[logprobs]"] == "PASSED"
+
+
+def test_the_naive_backend_passes_the_same_tests(pytester):
+    pytester.makepyfile(test_naive='''
+from logprob_registry.testing import BackendConformance
+
+class TestNaive(BackendConformance):
+    backend = "naive"
+''')
+    result = _run(pytester, ALL_SELECTIONS)
+    outcomes = _outcomes(result)
+    assert result.ret == 0, "\n".join(result.outlines[-40:])
+    assert sum(o == "PASSED" for o in outcomes.values()) >= 40
