@@ -10,7 +10,8 @@ compiled kernel writes the gradient in one pass, into a new tensor or, with
 ``inplace_backward=True``, into the logits' own storage.
 
 Compilation: one compile per kind of call (kernel, dtype, layout class) and process, covering every
-batch and sequence length (dynamic shapes). A failure to compile raises from the forward, where the
+batch and sequence length (dynamic shapes). The forward reads logits of more than two leading dims
+(``logits[:, :-1]``) plane by plane, with the 2-D kernel. A failure to compile raises from the forward, where the
 registry can fall back to the next backend. The backward kernel of a kind is compiled during the
 first forward that needs gradients, so that its failure surfaces there too; should a backward
 kernel still fail later (a layout first met in backward), that backward runs the same math eagerly,
@@ -230,9 +231,9 @@ def _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy) -> _F
             ignored = idx == ignore_index
             idx = idx.masked_fill(ignored, 0)
     if want_entropy:
-        m, s, u, picked = _run("fwd_entropy", rows, idx, inv_t)
+        m, s, u, picked = _row_stats("fwd_entropy", rows, idx, inv_t)
     else:
-        m, s, picked = _run("fwd_logprobs", rows, idx, inv_t)
+        m, s, picked = _row_stats("fwd_logprobs", rows, idx, inv_t)
     log_s = s.log()
     logp = entropy = None
     if want_logp:
@@ -242,6 +243,23 @@ def _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy) -> _F
     if want_entropy:
         entropy = log_s + u / s
     return _Forward(rows, idx, ignored, m, log_s, logp, entropy)
+
+
+def _row_stats(name: str, rows: torch.Tensor, idx: torch.Tensor, inv_t: float) -> tuple:
+    """Forward kernel ``name``'s per-row outputs, shaped like ``idx``.
+
+    Rows of more than two dims go plane by plane: on 2-D planes inductor keeps each row's passes,
+    and entropy's per-element intermediates, within the row (on 3-D it would write a float32 copy
+    of the logits). A single row goes as two views of itself: a dim of size 1 would get a kernel of
+    its own that sums a row in another order than a batch's kernel does.
+    """
+    if rows.shape[:-1].numel() == 1:
+        pair = _run(name, rows.reshape(1, -1).expand(2, -1).detach(), idx.reshape(1, 1).expand(2, 1).contiguous(), inv_t)
+        return tuple(t[:1].reshape(idx.shape) for t in pair)
+    if rows.dim() == 2:
+        return _run(name, rows, idx, inv_t)
+    parts = [_run(name, plane, *_take((idx, inv_t), index)) for index, plane in _planes(rows)]
+    return tuple(torch.stack(outs).view(idx.shape) for outs in zip(*parts))
 
 
 def _outputs(f: _Forward, shape: torch.Size) -> tuple:
