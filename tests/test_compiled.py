@@ -208,6 +208,18 @@ def test_inplace_gradient_of_a_leaf_is_kept_without_a_copy():
     assert x.grad.data_ptr() == x.data_ptr()
 
 
+@needs_compiler
+def test_inplace_backward_of_expanded_logits_is_done_out_of_place():
+    logits, labels = case()
+    row = logits[:1].detach().requires_grad_(True)
+    wide = row.expand(3, -1, -1)  # three views of the same memory: not writable in place
+    lr.logprobs_from_logits(wide, labels, ignore_index=-100, inplace_backward=True, backend="compiled").sum().backward()
+    expected = logits[:1].detach().double().requires_grad_(True)
+    ref.logprobs(expected.expand(3, -1, -1), labels, ignore_index=-100).sum().backward()
+    torch.testing.assert_close(row.grad.double(), expected.grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(row.detach(), logits[:1])
+
+
 # ----------------------------------------------------------------- these start the compiler afresh
 @pytest.fixture
 def fresh():
@@ -233,10 +245,13 @@ def test_one_compile_covers_five_batch_and_sequence_lengths_and_temperatures(fre
         out.sum().backward()
     counts = compiled.compile_counts()
     assert counts["fwd_logprobs"] == 1 and counts["bwd"] == 1, counts
-    for batch, steps in shapes[:3]:  # the logits[:, :-1] layout: one more compile, not one per shape
-        full = torch.randn(batch + 1, steps + 1, V)
-        lr.logprobs_from_logits(full[:, :-1], torch.randint(0, V, (batch + 1, steps)), backend="compiled")
-    assert compiled.compile_counts()["fwd_logprobs"] == 2
+    # logits[:, :-1]: the forward reads it plane by plane with the same kernel; the backward kernel
+    # for that layout compiles once, not once per shape
+    for batch, steps in shapes[:3]:
+        full = torch.randn(batch + 1, steps + 1, V, requires_grad=True)
+        lr.logprobs_from_logits(full[:, :-1], torch.randint(0, V, (batch + 1, steps)), backend="compiled").sum().backward()
+    counts = compiled.compile_counts()
+    assert counts["fwd_logprobs"] == 1 and counts["bwd"] == 2, counts
 
 
 @needs_compiler
