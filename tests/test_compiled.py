@@ -81,9 +81,9 @@ def reference_grad(op, logits, labels, **kw):
 def test_registered_with_priority_20_and_in_place_backward():
     backend = lr.get_registry().get("compiled")
     assert backend.priority == 20
-    assert backend.inplace_backward and backend.deterministic
-    # Declared honestly until the conformance suite's checks of these pass (see the Backend).
-    assert not backend.batch_invariant and backend.copies_logits
+    # promised, so the conformance suite checks each (batch invariance, no copy of the logits)
+    assert backend.inplace_backward and backend.deterministic and backend.batch_invariant
+    assert not backend.copies_logits
     assert set(backend.ops) == {"logprobs", "entropy", "logprobs_and_entropy"}
 
 

