@@ -12,3 +12,40 @@ def fake_env():
 
     yield install
     environment.set_environment(None)
+
+
+# --------------------------------------------------------------------------------------------
+# This project's own run of the conformance suite (tests/test_conformance.py) covers every
+# eligible backend. Tests of an op or promise a backend does not declare are deselected here,
+# where that is known before they run, so that a skip in this project's run always names missing
+# hardware; the terminal summary says what was deselected and why.
+_undeclared: dict = {}
+
+
+def pytest_collection_modifyitems(config, items):
+    from logprob_registry.registry import get_registry
+    from logprob_registry.testing.suite import BackendConformance, not_declared
+
+    keep, drop = [], []
+    for item in items:
+        cls = getattr(item, "cls", None)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        name = params.get("conformance_backend")
+        reason = None
+        if cls is not None and issubclass(cls, BackendConformance) and name:
+            reason = not_declared(get_registry().get(name), item.originalname, params)
+        if reason is None:
+            keep.append(item)
+        else:
+            drop.append(item)
+            _undeclared[reason] = _undeclared.get(reason, 0) + 1
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _undeclared:
+        terminalreporter.write_sep("-", "conformance tests deselected: not declared by the backend")
+        for reason, count in sorted(_undeclared.items()):
+            terminalreporter.write_line(f"{count:4d}  {reason}")

@@ -50,6 +50,32 @@ MEMORY_SHAPE = (2, 257, 32768)
 MEMORY_LIMIT = 0.5  # of the logits' own size
 
 
+# Tests of a promise a backend may decline to make: the Backend flag each needs, and its value.
+PROMISE_TESTS = {
+    "test_deterministic": ("deterministic", True),
+    "test_batch_invariant": ("batch_invariant", True),
+    "test_no_copy_of_strided_logits": ("copies_logits", False),
+    "test_forward_keeps_no_copy_for_backward": ("copies_logits", False),
+    "test_hidden_never_materialises_logits": ("copies_logits", False),
+}
+
+
+def not_declared(backend: Backend, test: str, params: dict) -> Optional[str]:
+    """Why conformance test ``test`` (its function name; ``params``, its parameters) checks
+    something ``backend`` does not declare (an op it lacks, a promise it does not make), or None.
+
+    Known before the test runs, unlike a missing device or dtype: a project running the suite over
+    its own backends can deselect such tests instead of skipping them (this project's
+    ``tests/conftest.py`` does); at run time the test skips with the same reason."""
+    op = "logprobs_from_hidden" if test.startswith("test_hidden_") else params.get("op")
+    if op is not None and not backend.supports(op):
+        return f"{backend.name} does not implement {op}"
+    flag, wanted = PROMISE_TESTS.get(test, (None, None))
+    if flag is not None and bool(getattr(backend, flag)) != wanted:
+        return f"{backend.name} declares {flag}={not wanted}"
+    return None
+
+
 def _grad_dtype_eps(dtype: torch.dtype) -> float:
     return max(torch.finfo(dtype).eps, 4 * EPS32) if dtype != torch.float64 else 4 * EPS32
 
