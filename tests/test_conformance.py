@@ -38,3 +38,16 @@ def test_the_pytest_plugin_adds_nothing_heavy_to_the_package_import():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[:2] == [
         "['logprob_registry.testing', 'logprob_registry.testing.plugin']", "True"], proc.stdout
+
+
+def test_not_declared_names_the_missing_op_or_promise_and_nothing_else():
+    from logprob_registry.testing.suite import not_declared
+
+    get = lr.get_registry().get
+    assert not_declared(get("compiled"), "test_hidden_values", {"variant": "plain"}) == \
+        "compiled does not implement logprobs_from_hidden"
+    assert not_declared(get("naive"), "test_no_copy_of_strided_logits", {"op": "entropy"}) == \
+        "naive declares copies_logits=True"
+    assert not_declared(get("naive"), "test_batch_invariant", {"op": "logprobs"}) is None
+    assert not_declared(get("chunked"), "test_hidden_never_materialises_logits", {}) is None
+    assert not_declared(get("npu"), "test_shapes", {"op": "entropy"}) == "npu does not implement entropy"
