@@ -76,7 +76,7 @@ def run_suite(name: str, device: str, keyword: Optional[str] = None) -> Result:
         with open(ini, "w") as f:
             f.write("[pytest]\n")
         cmd = [sys.executable, "-m", "pytest", suite_path(), "-c", ini, "--rootdir", tmp,
-               "-p", "no:cacheprovider", "-p", "logprob_registry.testing.plugin", "-q", "-rfE",
+               "-p", "no:cacheprovider", "-p", "logprob_registry_pytest", "-q", "-rfE",
                "--logprob-backend", name, "--logprob-device", device, "--junitxml", report]
         if keyword:
             cmd += ["-k", keyword]

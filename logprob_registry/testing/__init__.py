@@ -1,8 +1,8 @@
 """The conformance suite that every backend must pass, shipped for plugin authors and users.
 
 Subclass :class:`BackendConformance` in your own tests and name your backend, or run
-``logprob-registry check --backend NAME``. The pytest plugin (:mod:`.plugin`, registered through the
-``pytest11`` entry point) adds ``--logprob-backend`` and ``--logprob-device``. This package is
+``logprob-registry check --backend NAME``. The pytest plugin (the top-level module
+``logprob_registry_pytest``, registered through the ``pytest11`` entry point) adds ``--logprob-backend`` and ``--logprob-device``. This package is
 import-light: torch and pytest are imported only when the suite itself is used.
 """
 

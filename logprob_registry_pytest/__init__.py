@@ -1,6 +1,9 @@
-"""pytest plugin of the conformance suite (entry point ``pytest11``): the command-line options
-that name the backend and device under test. Import-light: it is loaded into every pytest run of
-an environment where logprob-registry is installed, so it imports neither torch nor the package."""
+"""pytest plugin of logprob-registry's conformance suite (entry point ``pytest11``): the
+command-line options that name the backend and device under test.
+
+pytest loads it into every run in an environment where logprob-registry is installed, so it lives
+outside the ``logprob_registry`` package (whose import imports torch) and imports nothing beyond
+the standard library until a session collects conformance tests."""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     """When the session runs the conformance suite, pin glibc's mmap threshold before the first
     test, so that the suite's peak-memory readings count exactly what each call allocates."""
     if any(_is_conformance(item) for item in items):
-        from .memory import pin_mmap_threshold
+        from logprob_registry.testing.memory import pin_mmap_threshold
 
         pin_mmap_threshold()
 
