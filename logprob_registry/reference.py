@@ -74,3 +74,15 @@ def logprobs_from_hidden(
 def result_dtype(dtype: torch.dtype) -> torch.dtype:
     """The result dtype of every op for inputs of ``dtype``: float64 stays, the rest give float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def outputs(logits: torch.Tensor, labels: Optional[torch.Tensor], *, temperature: float,
+            ignore_index: Optional[int], want_logprobs: bool, want_entropy: bool):
+    """What the op wanting ``want_logprobs``/``want_entropy`` returns, by these formulas in the
+    ops' result dtype: for backends' degenerate inputs (nothing to chunk or compile for)."""
+    dtype = result_dtype(logits.dtype)
+    if want_logprobs and want_entropy:
+        return logprobs_and_entropy(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype)
+    if want_logprobs:
+        return logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype)
+    return entropy(logits, temperature=temperature, dtype=dtype)

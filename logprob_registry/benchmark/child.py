@@ -8,8 +8,9 @@ state or crash never touch the next one. It prints one line, ``MARKER`` followed
   inputs (reset before each measured call).
 - ``mem`` (CPU): the peak resident memory above the resident memory just before a call. The
   parent starts this child with ``MALLOC_MMAP_THRESHOLD_`` pinned, so that glibc returns freed
-  blocks and resident memory follows live memory; the peak is reset through
-  ``/proc/self/clear_refs`` before each call and read from ``VmHWM`` after it.
+  blocks and resident memory follows live memory; measured by the conformance suite's
+  :func:`logprob_registry.testing.memory.peak_extra_bytes` (peak reset through
+  ``/proc/self/clear_refs`` before each call, read from ``VmHWM`` after it).
 - ``probe``: free and total memory of an accelerator, and its name.
 
 An exception becomes ``{"error": "Type: message"}``.
@@ -17,7 +18,6 @@ An exception becomes ``{"error": "Type: message"}``.
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 import time
@@ -38,14 +38,6 @@ def _sync(device_type: str):
 
     mod = getattr(torch, device_type, None) if device_type != "cpu" else None
     return mod.synchronize if mod is not None and hasattr(mod, "synchronize") else (lambda: None)
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key}")
 
 
 def _load_plugins(specs) -> None:
@@ -76,18 +68,7 @@ def measure_time(spec: dict) -> dict:
     out = dict(times_s=times)
     acc = _accelerator(s.device_type)
     if acc is not None:
-        peak = 0
-        for _ in range(MEMORY_REPEAT):
-            x = w.prepare()
-            sync()
-            acc.reset_peak_memory_stats(s.device)
-            before = acc.memory_allocated(s.device)
-            outs = w.run(x)
-            sync()
-            peak = max(peak, acc.max_memory_allocated(s.device) - before)
-            del outs
-            w.release()
-        out["peak_bytes"] = peak
+        out["peak_bytes"] = _peak_bytes(w, s.device)
     x = w.prepare()
     outs = w.run(x)
     out["result_dtype"] = str(outs[0].dtype).replace("torch.", "")
@@ -105,18 +86,23 @@ def measure_memory(spec: dict) -> dict:
     for _ in range(s.warmup):
         w.run(w.prepare())
         w.release()
+    return dict(peak_bytes=_peak_bytes(w, "cpu"))
+
+
+def _peak_bytes(w, device) -> int:
+    """The largest extra peak of ``MEMORY_REPEAT`` calls, measured as the conformance suite does
+    (:func:`logprob_registry.testing.memory.peak_extra_bytes`: the allocator's peak on an
+    accelerator, peak resident memory on the CPU); each call's inputs are prepared beforehand."""
+    from logprob_registry.testing.memory import peak_extra_bytes
+
     peak = 0
     for _ in range(MEMORY_REPEAT):
         x = w.prepare()
-        gc.collect()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        before = _status("VmRSS:")
-        outs = w.run(x)
-        peak = max(peak, _status("VmHWM:") - before)
+        outs, extra = peak_extra_bytes(lambda: w.run(x), device)
+        peak = max(peak, extra)
         del outs, x
         w.release()
-    return dict(peak_bytes=peak)
+    return peak
 
 
 def probe(spec: dict) -> dict:

@@ -139,7 +139,8 @@ class _ChunkedFunction(torch.autograd.Function):
 
 def _run(logits, labels, temperature, ignore_index, inplace_backward, want_logprobs, want_entropy):
     if logits.shape[-1] == 0:  # nothing to chunk; the textbook formulas give the textbook answer
-        return _degenerate(logits, labels, temperature, ignore_index, want_logprobs, want_entropy)
+        return ref.outputs(logits, labels, temperature=temperature, ignore_index=ignore_index,
+                           want_logprobs=want_logprobs, want_entropy=want_entropy)
     plan = _plan(logits, temperature, want_logprobs, want_entropy)
     if labels is not None:
         index, valid = _labels(labels, ignore_index)
@@ -150,15 +151,6 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, want_logpr
     else:
         outs = _results(logits, index, valid, plan)[0]
     return outs if len(outs) > 1 else outs[0]
-
-
-def _degenerate(logits, labels, temperature, ignore_index, want_logprobs, want_entropy):
-    dtype = ref.result_dtype(logits.dtype)
-    if want_logprobs and want_entropy:
-        return ref.logprobs_and_entropy(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype)
-    if want_logprobs:
-        return ref.logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype)
-    return ref.entropy(logits, temperature=temperature, dtype=dtype)
 
 
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):

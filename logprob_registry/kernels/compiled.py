@@ -388,12 +388,8 @@ class _LogSoftmaxOps(torch.autograd.Function):
 
 def _apply(logits, labels, temperature, ignore_index, want_logp, want_entropy, inplace):
     if logits.numel() == 0:  # nothing to compile for
-        dtype = ref.result_dtype(logits.dtype)
-        if want_logp and want_entropy:
-            return ref.logprobs_and_entropy(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype)
-        if want_logp:
-            return ref.logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype)
-        return ref.entropy(logits, temperature=temperature, dtype=dtype)
+        return ref.outputs(logits, labels, temperature=temperature, ignore_index=ignore_index,
+                           want_logprobs=want_logp, want_entropy=want_entropy)
     inv_t = 1.0 / temperature
     if torch.is_grad_enabled() and logits.requires_grad:
         inplace = inplace and not _overlapping(logits)  # then honoured out of place
