@@ -56,6 +56,21 @@ def tolerance(logits: torch.Tensor, temperature: float = 1.0) -> float:
     return 8 * eps * (1.0 + scale + math.log(max(logits.shape[-1], 2)))
 
 
+def weights_for(shape, seed=2):
+    """Upstream gradients for the two outputs, from their own generator (same case in any test order)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def assert_grad_close(grad, want, logits, temperature):
+    """``grad`` against the float64 ``want``: a few fp32 roundings (:func:`tolerance`), plus the one
+    rounding to the gradient's dtype, relative to each element's magnitude."""
+    eps = torch.finfo(grad.dtype).eps if grad.dtype != torch.float64 else 0.0
+    rounding = eps * want.abs().clamp(min=1.0)
+    excess = ((grad.double() - want).abs() - rounding).max().item()
+    assert excess <= 4 * tolerance(logits, temperature), f"gradient off by {excess:.3g} beyond its dtype's rounding"
+
+
 def sample(shape, dtype=torch.float32, scale=3.0, seed=0):
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
@@ -144,16 +159,13 @@ def _chunked_grads(logits, labels, weights, op, inplace=False, **kw):
 def test_gradients_match_float64_autograd(op, temperature, dtype, small_workspace):
     logits, labels = sample((2, 5, 77), dtype)
     labels[1, 3] = -1
-    g = torch.Generator().manual_seed(2)  # not the global generator: the same case in any test order
-    weights = (torch.randn(2, 5, generator=g, dtype=torch.float64), torch.randn(2, 5, generator=g, dtype=torch.float64))
+    weights = weights_for((2, 5))
     kw = dict(temperature=temperature, ignore_index=-1)
     w = tuple(t.to(ref.result_dtype(dtype)) for t in weights)
     x = _chunked_grads(logits, labels, w, op, **dict(kw))
     want = _reference_grads(logits, labels, weights, op, **dict(kw))
     assert x.grad.dtype == dtype and x.grad.shape == logits.shape
-    # the gradient is rounded once to the logits' dtype: relative to each element's magnitude
-    rounding = (torch.finfo(dtype).eps if dtype != torch.float64 else 0.0) * want.abs().clamp(min=1.0)
-    assert ((x.grad.double() - want).abs() - rounding).max().item() <= tolerance(logits, temperature) * 4
+    assert_grad_close(x.grad, want, logits, temperature)
     if op == "logprobs":
         assert torch.all(x.grad[1, 3] == 0)
 
@@ -340,7 +352,7 @@ def test_inputs_are_not_modified():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inplace_backward_writes_the_gradient_into_the_logits(op, dtype, small_workspace):
     logits, labels = sample((4, 6, 51), dtype)
-    weights = (torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64))
+    weights = weights_for((4, 6))
     w = tuple(t.float() for t in weights)
     kw = dict(temperature=0.8, ignore_index=0)
     out_of_place = _chunked_grads(logits, labels, w, op, **dict(kw)).grad
@@ -349,7 +361,7 @@ def test_inplace_backward_writes_the_gradient_into_the_logits(op, dtype, small_w
     assert torch.equal(x.detach(), x.grad)  # the logits now hold their gradient
     assert torch.equal(x.grad, out_of_place)  # and it is the same gradient, bit for bit
     want = _reference_grads(logits, labels, weights, op, **dict(kw))
-    assert (x.grad.double() - want).abs().max().item() <= 4 * tolerance(logits, 0.8) + torch.finfo(dtype).eps
+    assert_grad_close(x.grad, want, logits, 0.8)
 
 
 def test_inplace_backward_through_strides(small_workspace):
@@ -436,10 +448,10 @@ def test_fixed_shape_layout(fixed_shape):
     assert (b.double() - ref.entropy(logits, temperature=0.9)).abs().max() <= tol
     assert torch.equal(_rows_alone(lambda x, y: lp(x, y), logits.reshape(-1, 130), labels.reshape(-1)),
                        lp(logits, labels).reshape(-1))
-    weights = (torch.randn(3, 7, dtype=torch.float64), torch.randn(3, 7, dtype=torch.float64))
+    weights = weights_for((3, 7))
     x = _chunked_grads(logits, labels, tuple(w.float() for w in weights), "logprobs_and_entropy", temperature=0.9)
     want = _reference_grads(logits, labels, weights, "logprobs_and_entropy", temperature=0.9)
-    assert (x.grad.double() - want).abs().max().item() <= 4 * tol + torch.finfo(torch.bfloat16).eps
+    assert_grad_close(x.grad, want, logits, 0.9)
 
 
 # ------------------------------------------------------------------------------- workspace settings
