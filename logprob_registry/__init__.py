@@ -1,5 +1,5 @@
 """Per-token log-probabilities of labels from LLM logits, through the best correct backend for the
-device, dtype and torch version at hand. See README.md."""
+device, dtype and torch version at hand. See README.md and docs/."""
 
 from .backend import Backend
 from .hookspecs import hookimpl
@@ -23,6 +23,7 @@ __all__ = [
     "backends",
     "entropy_from_logits",
     "explain",
+    "get_registry",
     "hookimpl",
     "logprobs_and_entropy",
     "logprobs_from_hidden",
@@ -32,5 +33,5 @@ __all__ = [
 ]
 
 # Detect the environment, load the plugins and resolve the default for the main device now:
-# cheap (no compilation, no kernel launch), and a broken plugin shows up at once in explain().
+# cheap (no compilation, no kernel launch), never raising, and a broken plugin shows up at once.
 get_registry().resolve_default()

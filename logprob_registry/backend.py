@@ -1,58 +1,81 @@
-"""The Backend record: what a backend computes, where, and what it promises."""
+"""The Backend record: what a backend computes, where, what it needs, and what it promises."""
 
 from __future__ import annotations
 
+import inspect
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 import torch
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+from .dtypes import FLOAT_DTYPES, dtype_name
+from .opspec import FEATURES, OPS
 
 if TYPE_CHECKING:
     from .environment import Environment
 
-OPS = ("logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden")
-DEVICE_TYPES = ("cpu", "cuda", "npu", "xpu", "mps")
 _NAME = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+_DEVICE = re.compile(r"^[a-z][a-z0-9_]*$")
+
+#: Promises a backend may make beyond its ops; the conformance suite checks each one it makes.
+CAPABILITIES: Mapping[str, str] = {
+    "autograd": "its ops support backward",
+    "inplace_backward": "with inplace_backward=True its backward writes the logits' gradient into the logits' storage",
+    "batch_invariant": "a row's result is bitwise independent of the other rows in the call",
+    "deterministic": "the same inputs give bitwise the same results",
+    "copies_logits": "it materialises a copy of the logits (the suite's no-copy checks do not apply)",
+}
+
+Availability = Callable[["Environment", str], Optional[str]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Backend:
     """One implementation of some of the ops, and the conditions under which it may run.
 
-    The keyword names are the plugin API and never change meaning. ``available`` is called with the
-    detected :class:`~logprob_registry.environment.Environment` and returns ``None`` when the
-    backend can run, or a sentence saying why it cannot.
+    The keyword names are the plugin API and never change meaning:
+
+    - ``ops``: op name -> function, called as the op table (:mod:`logprob_registry.opspec`) says;
+    - ``devices``: device types it runs on (any type torch can name: ``cpu``, ``cuda``, ``npu``,
+      ``xpu``, ``mps``, ``hpu``, a PrivateUse1 backend's name, ...);
+    - ``dtypes``: floating dtypes of the logits (hidden states) it accepts;
+    - ``priority``: higher wins among eligible backends (built-ins stay below 50);
+    - ``torch``: a version specifier such as ``">=2.4"`` ("" for any);
+    - ``requires``: PEP 508 requirements such as ``"triton>=3.6"`` or ``"torch_npu"``, checked
+      against the installed distributions (a bare name that is no distribution must be an
+      importable module);
+    - ``available``: optional ``f(environment, device_type) -> None or a sentence saying why not``;
+    - ``features``: optional options of the op table it implements (see ``opspec.FEATURES``);
+    - capabilities (:data:`CAPABILITIES`): what it promises, each checked by the suite;
+    - ``memory``, ``description``: words for ``explain`` and ``info``.
+
+    Deprecated (working for one more release, with a DeprecationWarning): ``triton=SPEC`` (use
+    ``requires=("triton" + SPEC,)``) and ``available_on=f(environment, device_type)`` (use
+    ``available``, which now takes the device type too; a one-argument ``available`` still works).
     """
 
     name: str
     ops: Mapping[str, Callable[..., object]]
     devices: frozenset = frozenset({"cpu"})
-    dtypes: frozenset = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+    dtypes: frozenset = frozenset(FLOAT_DTYPES)
     priority: int = 0
     torch: str = ""
     requires: tuple = ()
     autograd: bool = True
-    available: Optional[Callable[["Environment"], Optional[str]]] = None
-    # Capabilities beyond the fixed plugin API, all with conservative defaults. The conformance
-    # suite (logprob_registry.testing) checks each promise a backend makes:
-    #   inplace_backward: with inplace_backward=True its backward writes the logits' gradient into
-    #     the logits' storage (False: it honours the flag out of place);
-    #   batch_invariant: a row's result is bitwise independent of the other rows in the batch;
-    #   deterministic: the same inputs give bitwise the same results;
-    #   copies_logits: it materialises a copy of the (strided) logits, so the suite's no-copy
-    #     memory checks are skipped for it, with that reason (only ``naive`` should need it).
-    triton: str = ""
+    available: Optional[Availability] = None
+    features: frozenset = frozenset()
     inplace_backward: bool = False
     batch_invariant: bool = False
     deterministic: bool = True
     copies_logits: bool = False
-    memory: str = ""  # extra memory beyond inputs and results, in words, e.g. "full-vocab buffer: ..."
+    memory: str = ""
     description: str = ""
-    # Like ``available``, for a backend whose needs differ by device type: called with the
-    # environment and the device type of the call ("cpu", "cuda", ...).
-    available_on: Optional[Callable[["Environment", str], Optional[str]]] = None
+    triton: str = ""  # deprecated
+    available_on: Optional[Availability] = None  # deprecated
     origin: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -72,28 +95,97 @@ class Backend:
             if not callable(fn):
                 raise TypeError(f"backend {self.name!r}: ops[{op!r}] is {fn!r}, not a callable")
         devices = frozenset({self.devices} if isinstance(self.devices, str) else self.devices)
-        bad = devices - set(DEVICE_TYPES)
-        if bad:
+        bad = sorted(d for d in devices if not isinstance(d, str) or not _DEVICE.match(d))
+        if bad or not devices:
             raise ValueError(
-                f"backend {self.name!r} names unknown device types {sorted(bad)}; "
-                f"known: {', '.join(DEVICE_TYPES)}"
+                f"backend {self.name!r}: devices must be device types such as 'cpu', 'cuda' or 'npu' "
+                f"(lowercase, as torch.device names them), got {sorted(map(repr, devices))}"
             )
         dtypes = frozenset(self.dtypes)
-        if not all(isinstance(d, torch.dtype) and d.is_floating_point for d in dtypes):
-            raise TypeError(f"backend {self.name!r}: dtypes must be floating torch dtypes, got {sorted(map(str, dtypes))}")
-        for what in ("torch", "triton"):
-            spec = getattr(self, what)
+        if not dtypes or not all(isinstance(d, torch.dtype) and d.is_floating_point for d in dtypes):
+            raise TypeError(
+                f"backend {self.name!r}: dtypes must be floating torch dtypes, got {sorted(map(str, dtypes))}")
+        try:
+            SpecifierSet(self.torch)
+        except InvalidSpecifier as exc:
+            raise ValueError(
+                f"backend {self.name!r}: torch={self.torch!r} is not a version specifier such as '>=2.4'"
+            ) from exc
+        requires = (self.requires,) if isinstance(self.requires, str) else tuple(self.requires)
+        for req in requires:
             try:
-                SpecifierSet(spec)
+                Requirement(req)
+            except (InvalidRequirement, TypeError) as exc:
+                raise ValueError(
+                    f"backend {self.name!r}: requires entry {req!r} is not a requirement such as "
+                    "'triton>=3.6' or 'torch_npu'"
+                ) from exc
+        features = frozenset({self.features} if isinstance(self.features, str) else self.features)
+        unknown = sorted(features - set(FEATURES))
+        if unknown:
+            known = ", ".join(FEATURES) or "none yet"
+            raise ValueError(f"backend {self.name!r} declares unknown features {unknown}; known: {known}")
+        available = self.available
+        if self.triton:
+            _deprecated(self.name, "triton=SPEC", f'requires=("triton{self.triton}",)')
+            try:
+                SpecifierSet(self.triton)
             except InvalidSpecifier as exc:
                 raise ValueError(
-                    f"backend {self.name!r}: {what}={spec!r} is not a version specifier such as '>=2.4'"
+                    f"backend {self.name!r}: triton={self.triton!r} is not a version specifier such as '>=3.0'"
                 ) from exc
-        requires = (self.requires,) if isinstance(self.requires, str) else tuple(self.requires)
-        object.__setattr__(self, "devices", devices)
-        object.__setattr__(self, "dtypes", dtypes)
-        object.__setattr__(self, "requires", requires)
-        object.__setattr__(self, "ops", dict(self.ops))
+            requires = tuple(r for r in requires if Requirement(r).name != "triton") + (f"triton{self.triton}",)
+        if available is not None and _positional_arity(available) == 1:
+            _deprecated(self.name, "available=f(environment)", "available=f(environment, device_type)")
+            one = available
+            available = lambda env, device_type: one(env)  # noqa: E731
+        if self.available_on is not None:
+            _deprecated(self.name, "available_on=f(environment, device_type)",
+                        "available=f(environment, device_type)")
+            available = _both(available, self.available_on)
+        set_ = object.__setattr__
+        set_(self, "devices", devices)
+        set_(self, "dtypes", dtypes)
+        set_(self, "requires", requires)
+        set_(self, "features", features)
+        set_(self, "available", available)
+        set_(self, "available_on", None)
+        set_(self, "triton", "")
+        set_(self, "ops", dict(self.ops))
 
     def supports(self, op: str) -> bool:
         return op in self.ops
+
+    def __repr__(self) -> str:
+        dtypes = ",".join(sorted(dtype_name(d) for d in self.dtypes))
+        promises = [c for c in CAPABILITIES if c != "autograd" and getattr(self, c)]
+        extra = f" promises={promises}" if promises else ""
+        origin = f" from {self.origin}" if self.origin else ""
+        return (f"<Backend {self.name!r} priority={self.priority} ops={sorted(self.ops)} "
+                f"devices={sorted(self.devices)} dtypes={dtypes}{extra}{origin}>")
+
+
+def _deprecated(name: str, old: str, new: str) -> None:
+    warnings.warn(
+        f"backend {name!r}: Backend({old}) is deprecated and will be removed in the next release; "
+        f"use {new}",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+
+
+def _positional_arity(fn: Callable) -> Optional[int]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def _both(first: Optional[Availability], second: Availability) -> Availability:
+    def available(env, device_type):
+        return (first(env, device_type) if first is not None else None) or second(env, device_type)
+
+    return available

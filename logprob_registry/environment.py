@@ -1,7 +1,9 @@
-"""What this process runs on: torch and triton versions, device types present, their capabilities.
+"""What this process runs on: torch and triton versions, device types present, their capabilities,
+and the installed distributions that backends require.
 
 Detection happens once, cheaply (no kernel launch, no compilation); :func:`get_environment` returns
-the cached result. Tests and tools replace it with :func:`set_environment`, for example with
+the cached result. Tests and tools pass a fake one to a :class:`~logprob_registry.registry.Registry`
+or install it process-wide with :func:`set_environment`, for example
 ``Environment.fake(torch="2.1.0", devices={"npu": 8})``.
 """
 
@@ -11,15 +13,24 @@ import importlib
 import importlib.metadata
 import importlib.util
 import platform
+import threading
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Dict, Mapping, Optional
 
 import torch
+from packaging.requirements import Requirement
 from packaging.version import InvalidVersion, Version
 
-# Order in which a device type is taken as the machine's main device.
-MAIN_DEVICE_ORDER = ("cuda", "npu", "xpu", "mps", "cpu")
-DEVICE_LABELS = {"cpu": "CPU", "cuda": "CUDA", "npu": "NPU", "xpu": "XPU", "mps": "MPS"}
+# Order in which a device type is taken as the machine's main device (others come before cpu).
+MAIN_DEVICE_ORDER = ("cuda", "npu", "xpu", "hpu", "mps", "cpu")
+DEVICE_LABELS = {"cpu": "CPU", "cuda": "CUDA", "npu": "NPU", "xpu": "XPU", "mps": "MPS", "hpu": "HPU"}
+#: Oldest CUDA compute capability triton compiles for (Volta).
+TRITON_MIN_CAPABILITY = (7, 0)
+#: Distributions that provide a module under another name (ROCm, nightly and XPU builds of triton).
+DISTRIBUTION_ALIASES = {
+    "triton": ("triton", "pytorch-triton", "pytorch-triton-rocm", "triton-xpu"),
+    "torch_npu": ("torch_npu", "torch-npu"),
+}
 
 
 @dataclass(frozen=True)
@@ -32,9 +43,17 @@ class DeviceInfo:
     capability: Optional[tuple] = None
 
 
+def device_label(device_type: str) -> str:
+    return DEVICE_LABELS.get(device_type, device_type.upper())
+
+
 @dataclass(frozen=True)
 class Environment:
-    """One detected (or faked) environment. ``modules`` overrides whether a module imports."""
+    """One detected (or faked) environment.
+
+    ``modules`` overrides whether a module imports; ``distributions`` overrides installed
+    distribution versions (``None``: not installed). A fake environment answers only from them.
+    """
 
     torch_version: Version
     python_version: str
@@ -44,6 +63,7 @@ class Environment:
     hip_version: Optional[str] = None
     cuda_version: Optional[str] = None
     modules: Mapping[str, bool] = field(default_factory=dict)
+    distributions: Mapping[str, Optional[Version]] = field(default_factory=dict)
     is_fake: bool = False
 
     def has_device(self, device_type: str) -> bool:
@@ -55,7 +75,9 @@ class Environment:
 
     @property
     def main_device(self) -> str:
-        return next(d for d in MAIN_DEVICE_ORDER if self.has_device(d))
+        present = [d for d in self.devices if d != "cpu" and self.has_device(d)]
+        ordered = sorted(present, key=lambda d: MAIN_DEVICE_ORDER.index(d) if d in MAIN_DEVICE_ORDER else 3)
+        return ordered[0] if ordered else "cpu"
 
     @property
     def cuda_capability(self) -> Optional[tuple]:
@@ -66,11 +88,48 @@ class Environment:
     def is_rocm(self) -> bool:
         return self.hip_version is not None
 
+    def triton_capability_problem(self) -> Optional[str]:
+        """Why triton cannot compile for this machine's CUDA GPU (too old), or None."""
+        capability = self.cuda_capability
+        if self.is_rocm or capability is None or tuple(capability) >= TRITON_MIN_CAPABILITY:
+            return None
+        need = ".".join(map(str, TRITON_MIN_CAPABILITY))
+        return f"needs CUDA compute capability {need} or newer (triton), found {capability[0]}.{capability[1]}"
+
     def module_problem(self, name: str) -> Optional[str]:
         """None when module ``name`` imports, else a sentence saying why it does not."""
         if name in self.modules:
             return None if self.modules[name] else f"{name} is not installed"
+        if self.is_fake:
+            return f"{name} is not installed"
         return _module_problem(name)
+
+    def distribution_version(self, name: str) -> Optional[Version]:
+        """The installed version of distribution ``name`` (or of one providing it), or None."""
+        key = _normalise(name)
+        if key in self.distributions:
+            return self.distributions[key]
+        if self.is_fake:
+            return None
+        return _installed_version(key)
+
+    def requirement_problem(self, requirement: str) -> Optional[str]:
+        """None when PEP 508 ``requirement`` is met here, else the sentence saying what is missing.
+
+        A requirement whose name is no installed distribution is taken as a module that must
+        import (so that ``requires=("my_kernel_lib",)`` keeps working); a version then cannot be
+        checked and the requirement is unmet."""
+        req = Requirement(requirement)
+        if req.marker is not None and not req.marker.evaluate():
+            return None
+        found = self.distribution_version(req.name)
+        if found is None:
+            if not req.specifier:
+                return self.module_problem(req.name.replace("-", "_"))
+            return f"needs {requirement}, {req.name} is not installed"
+        if req.specifier and not req.specifier.contains(found, prereleases=True):
+            return f"needs {requirement}, found {found}"
+        return None
 
     @classmethod
     def fake(
@@ -81,13 +140,15 @@ class Environment:
         triton: Optional[str] = None,
         torch_npu: Optional[str] = None,
         modules: Optional[Mapping[str, bool]] = None,
+        distributions: Optional[Mapping[str, Optional[str]]] = None,
         hip: Optional[str] = None,
         capability: tuple = (9, 0),
     ) -> "Environment":
         """A made-up environment for tests: ``devices`` maps device type to count.
 
-        Modules not named in ``modules`` are taken as missing, except ``triton`` and ``torch_npu``,
-        which follow the ``triton`` and ``torch_npu`` versions given.
+        Only what is named exists: modules not in ``modules`` are missing, except ``triton`` and
+        ``torch_npu``, which follow the versions given; distributions not in ``distributions``
+        are not installed, except those two.
         """
         infos = {"cpu": DeviceInfo("cpu", 1, ("fake CPU",))}
         for kind, count in (devices or {}).items():
@@ -97,43 +158,54 @@ class Environment:
             )
         mods = {"triton": triton is not None, "torch_npu": torch_npu is not None}
         mods.update(modules or {})
+        dists: Dict[str, Optional[Version]] = {
+            "triton": Version(triton) if triton else None,
+            "torch_npu": Version(torch_npu) if torch_npu else None,
+        }
+        dists.update({_normalise(k): Version(v) if v else None for k, v in (distributions or {}).items()})
         return cls(
             torch_version=Version(torch),
             python_version=platform.python_version(),
             devices=infos,
-            triton_version=Version(triton) if triton else None,
-            torch_npu_version=Version(torch_npu) if torch_npu else None,
+            triton_version=dists["triton"],
+            torch_npu_version=dists["torch_npu"],
             hip_version=hip,
-            modules=_AllOthersMissing(mods),
+            modules=mods,
+            distributions=dists,
             is_fake=True,
         )
 
 
-class _AllOthersMissing(dict):
-    """Module overrides of a fake environment: a module not named is missing."""
-
-    def __contains__(self, key: object) -> bool:
-        return True
-
-    def __getitem__(self, key: str) -> bool:
-        return dict.get(self, key, False)
+def _normalise(name: str) -> str:
+    return name.lower().replace("-", "_").replace(".", "_")
 
 
-_MODULE_PROBLEMS: dict = {}
+_cache_lock = threading.Lock()
+_MODULE_PROBLEMS: Dict[str, Optional[str]] = {}
+_VERSIONS: Dict[str, Optional[Version]] = {}
 
 
 def _module_problem(name: str) -> Optional[str]:
     if name not in _MODULE_PROBLEMS:
         if importlib.util.find_spec(name.split(".")[0]) is None:
-            problem = f"{name} is not installed"
+            problem: Optional[str] = f"{name} is not installed"
         else:
             try:
                 importlib.import_module(name)
                 problem = None
             except Exception as exc:  # a broken install must not break selection
                 problem = f"{name} is installed but fails to import ({type(exc).__name__}: {exc})"
-        _MODULE_PROBLEMS[name] = problem
+        with _cache_lock:
+            _MODULE_PROBLEMS[name] = problem
     return _MODULE_PROBLEMS[name]
+
+
+def _installed_version(key: str) -> Optional[Version]:
+    if key not in _VERSIONS:
+        version = _dist_version(*DISTRIBUTION_ALIASES.get(key, (key,)))
+        with _cache_lock:
+            _VERSIONS[key] = version
+    return _VERSIONS[key]
 
 
 def _dist_version(*names: str) -> Optional[Version]:
@@ -149,7 +221,7 @@ def _detect_npu() -> tuple:
     """(DeviceInfo or None, torch_npu version or None). Imports torch_npu only if installed."""
     if importlib.util.find_spec("torch_npu") is None:
         return None, None
-    version = _dist_version("torch_npu", "torch-npu")
+    version = _dist_version(*DISTRIBUTION_ALIASES["torch_npu"])
     try:
         importlib.import_module("torch_npu")
         npu = getattr(torch, "npu", None)
@@ -160,6 +232,30 @@ def _detect_npu() -> tuple:
         return DeviceInfo("npu", count, names), version
     except Exception:  # torch_npu present but unusable: no NPU for us
         return DeviceInfo("npu", 0), version
+
+
+def _detect_module_devices(devices: Dict[str, DeviceInfo]) -> None:
+    """XPU, HPU and a renamed PrivateUse1 backend: whatever ``torch.<type>`` says is available."""
+    kinds = ["xpu", "hpu"]
+    try:
+        private = torch._C._get_privateuse1_backend_name()
+        if private and private != "privateuseone":
+            kinds.append(private)
+    except Exception:
+        pass
+    for kind in kinds:
+        if kind in devices:
+            continue
+        module = getattr(torch, kind, None)
+        try:
+            if module is None or not module.is_available():
+                continue
+            count = int(module.device_count())
+            names = tuple(str(module.get_device_name(i)) if hasattr(module, "get_device_name") else f"{kind}:{i}"
+                          for i in range(count))
+        except Exception:  # a half-installed device module is no device
+            continue
+        devices[kind] = DeviceInfo(kind, count, names)
 
 
 def detect() -> Environment:
@@ -176,10 +272,7 @@ def detect() -> Environment:
     npu, npu_version = _detect_npu()
     if npu is not None:
         devices["npu"] = npu
-    xpu = getattr(torch, "xpu", None)
-    if xpu is not None and xpu.is_available():
-        count = xpu.device_count()
-        devices["xpu"] = DeviceInfo("xpu", count, tuple(xpu.get_device_name(i) for i in range(count)))
+    _detect_module_devices(devices)
     mps = getattr(torch.backends, "mps", None)
     if mps is not None and mps.is_available():
         devices["mps"] = DeviceInfo("mps", 1, ("Apple MPS",))
@@ -187,7 +280,7 @@ def detect() -> Environment:
         torch_version=Version(torch.__version__),
         python_version=platform.python_version(),
         devices=devices,
-        triton_version=_dist_version("triton", "pytorch-triton", "pytorch-triton-rocm", "triton-xpu"),
+        triton_version=_dist_version(*DISTRIBUTION_ALIASES["triton"]),
         torch_npu_version=npu_version,
         hip_version=getattr(torch.version, "hip", None),
         cuda_version=getattr(torch.version, "cuda", None),
@@ -200,12 +293,17 @@ _current: Optional[Environment] = None
 def get_environment() -> Environment:
     """The environment in force: detected once per process unless replaced."""
     global _current
-    if _current is None:
-        _current = detect()
-    return _current
+    env = _current
+    if env is None:
+        with _cache_lock:
+            if _current is None:
+                _current = detect()
+            env = _current
+    return env
 
 
 def set_environment(env: Optional[Environment]) -> None:
-    """Replace the environment (None: detect again). Selections made for another one are dropped."""
+    """Replace the process-wide environment (None: detect again). Selections made for another one
+    are dropped."""
     global _current
     _current = env

@@ -21,6 +21,20 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def register_backends(register: Callable[..., None]) -> None:
     """Register backends by calling ``register(Backend(...))`` once for each.
 
+    Each entry of ``Backend.ops`` is called exactly as the op table (``logprob_registry.opspec``)
+    says, with the validated inputs as the caller gave them (shapes and strides untouched) and
+    every keyword option, and returns what the public function returns::
+
+        logprobs(logits, labels, *, temperature, ignore_index, inplace_backward) -> logprobs
+        entropy(logits, *, temperature) -> entropy
+        logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward) -> (logprobs, entropy)
+        logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy) -> logprobs, or (logprobs, entropy) when return_entropy=True
+
+    ``logits`` is ``(..., V)`` of a float dtype the backend declared, ``labels`` ``(...)`` int32 or
+    int64 in ``[0, V)`` or equal to ``ignore_index``; ``hidden`` is ``(..., H)``, ``weight``
+    ``(V, H)``, ``bias`` ``(V,)`` or None, all of one dtype. Results are float32 (float64 for
+    float64 inputs). Options a backend does not declare as a feature never reach it.
+
     Keep the module that implements this light: it is imported by ``import logprob_registry``.
     Import kernel libraries inside the op functions, and name them in ``Backend.requires``.
     """

@@ -1,20 +1,33 @@
-"""The public functions: validate the inputs, pick the backend, run it, return its result."""
+"""The public functions: validate the inputs, build the key, dispatch through the registry with the
+options the op table (:mod:`.opspec`) says a backend receives, return its result."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+import re
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
+from . import config
 from . import validation as v
-from .backend import DEVICE_TYPES, Backend
-from .eligibility import Key
-from .environment import get_environment
-from .registry import get_registry
+from .backend import Backend
+from .opspec import OPS
+from .opspec import get as get_spec
+from .registry import Key, get_registry
 from .report import Explanation
+
+_DEVICE_TYPE = re.compile(r"^([a-z][a-z0-9_]*)(:\d+)?$")
+
+
+def _dispatch(op: str, backend: Optional[str], inputs: Tuple[Any, ...], options: Dict[str, Any],
+              on: torch.Tensor, grad: bool) -> Any:
+    spec = OPS[op]
+    key = Key(op, on.device.type, on.dtype, grad, spec.features_used(options))
+    return get_registry().call(key, backend, inputs, options)
 
 
 def _logits_and_labels(logits, labels, temperature, ignore_index):
+    config.check()
     logits = v.check_logits(logits)
     labels = v.check_labels(labels, logits, "logits")
     temperature = v.check_temperature(temperature)
@@ -41,22 +54,19 @@ def logprobs_from_logits(
     ``backend`` forces a backend by name.
     """
     logits, labels, temperature, ignore_index = _logits_and_labels(logits, labels, temperature, ignore_index)
-    inplace_backward = v.check_flag(inplace_backward, "inplace_backward")
-    key = Key("logprobs", logits.device.type, logits.dtype, v.needs_grad(logits))
-    return get_registry().call(
-        key, backend, (logits, labels),
-        dict(temperature=temperature, ignore_index=ignore_index, inplace_backward=inplace_backward),
-    )
+    options = dict(temperature=temperature, ignore_index=ignore_index,
+                   inplace_backward=v.check_flag(inplace_backward, "inplace_backward"))
+    return _dispatch("logprobs", backend, (logits, labels), options, logits, v.needs_grad(logits))
 
 
 def entropy_from_logits(
     logits: torch.Tensor, *, temperature: float = 1.0, backend: Optional[str] = None
 ) -> torch.Tensor:
     """Entropy of ``softmax(logits / temperature)`` over the last dimension, in at least fp32."""
+    config.check()
     logits = v.check_logits(logits)
-    temperature = v.check_temperature(temperature)
-    key = Key("entropy", logits.device.type, logits.dtype, v.needs_grad(logits))
-    return get_registry().call(key, backend, (logits,), dict(temperature=temperature))
+    options = dict(temperature=v.check_temperature(temperature))
+    return _dispatch("entropy", backend, (logits,), options, logits, v.needs_grad(logits))
 
 
 def logprobs_and_entropy(
@@ -73,12 +83,9 @@ def logprobs_and_entropy(
     The entropy of an ignored position is computed as usual (it does not depend on the label).
     """
     logits, labels, temperature, ignore_index = _logits_and_labels(logits, labels, temperature, ignore_index)
-    inplace_backward = v.check_flag(inplace_backward, "inplace_backward")
-    key = Key("logprobs_and_entropy", logits.device.type, logits.dtype, v.needs_grad(logits))
-    return get_registry().call(
-        key, backend, (logits, labels),
-        dict(temperature=temperature, ignore_index=ignore_index, inplace_backward=inplace_backward),
-    )
+    options = dict(temperature=temperature, ignore_index=ignore_index,
+                   inplace_backward=v.check_flag(inplace_backward, "inplace_backward"))
+    return _dispatch("logprobs_and_entropy", backend, (logits, labels), options, logits, v.needs_grad(logits))
 
 
 def logprobs_from_hidden(
@@ -98,50 +105,32 @@ def logprobs_from_hidden(
     ``hidden`` is ``(..., H)``, ``weight`` is ``(V, H)`` (the lm_head), ``bias`` is ``(V,)``. Hidden,
     weight and bias must share one dtype. Returns ``logprobs`` or ``(logprobs, entropy)``.
     """
-    hidden = v.check_float(hidden, "hidden")
-    weight = v.check_float(weight, "weight")
-    if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight shape {tuple(weight.shape)} does not fit hidden shape {tuple(hidden.shape)}: "
-            "expected hidden (..., H) and weight (V, H)"
-        )
-    tensors = {"weight": weight} if bias is None else {"weight": weight, "bias": v.check_float(bias, "bias")}
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias shape {tuple(bias.shape)} does not match weight shape {tuple(weight.shape)}: expected ({weight.shape[0]},)")
-    for name, t in tensors.items():
-        v.check_same_device(t, hidden.device, name, "hidden")
-        if t.dtype != hidden.dtype:
-            raise TypeError(
-                f"hidden is {hidden.dtype} but {name} is {t.dtype}; give them one dtype, "
-                f"for example {name}.to(hidden.dtype)"
-            )
+    config.check()
+    hidden, weight, bias = v.check_hidden(hidden, weight, bias)
     labels = v.check_labels(labels, hidden, "hidden")
     temperature = v.check_temperature(temperature)
     ignore_index = v.check_ignore_index(ignore_index)
-    return_entropy = v.check_flag(return_entropy, "return_entropy")
     v.check_label_range(labels, weight.shape[0], ignore_index)
-    key = Key("logprobs_from_hidden", hidden.device.type, hidden.dtype, v.needs_grad(hidden, weight, bias))
-    return get_registry().call(
-        key, backend, (hidden, weight, labels),
-        dict(bias=bias, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy),
-    )
+    options = dict(bias=bias, temperature=temperature, ignore_index=ignore_index,
+                   return_entropy=v.check_flag(return_entropy, "return_entropy"))
+    return _dispatch("logprobs_from_hidden", backend, (hidden, weight, labels), options, hidden,
+                     v.needs_grad(hidden, weight, bias))
 
 
 def _key(op: str, device, dtype, requires_grad: bool) -> Key:
-    if op not in ("logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden"):
-        raise ValueError(
-            f"unknown op {op!r}; ops: logprobs, entropy, logprobs_and_entropy, logprobs_from_hidden"
-        )
+    get_spec(op)
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
     if device is None:
-        device_type = get_environment().main_device
+        device_type = get_registry().environment().main_device
     elif isinstance(device, torch.device):
         device_type = device.type
-    elif isinstance(device, str) and device.split(":")[0] in DEVICE_TYPES:
+    elif isinstance(device, str) and _DEVICE_TYPE.match(device.strip()):
         # Parsed here: torch.device("npu") fails unless torch_npu is imported, and explain() must
         # answer for devices this machine lacks.
-        device_type = device.split(":")[0]
+        device_type = _DEVICE_TYPE.match(device.strip()).group(1)
     else:
-        device_type = torch.device(device).type
+        raise ValueError(f"device must be a device type such as 'cpu', 'cuda' or 'cuda:1', got {device!r}")
     return Key(op, device_type, dtype or torch.float32, bool(requires_grad))
 
 

@@ -11,6 +11,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .dtypes import result_dtype
+
 
 def _prepare(logits: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
     x = logits.to(dtype)
@@ -69,11 +71,6 @@ def logprobs_from_hidden(
     if return_entropy:
         return logprobs_and_entropy(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype)
     return logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype)
-
-
-def result_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The result dtype of every op for inputs of ``dtype``: float64 stays, the rest give float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def outputs(logits: torch.Tensor, labels: Optional[torch.Tensor], *, temperature: float,

@@ -1,52 +1,28 @@
-"""What the registry tells people: per-backend verdicts, plugin failures, and their tables."""
+"""What the registry tells people: the verdict table of ``explain`` and the ``info`` report."""
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
-from .eligibility import Key
+import torch
 
+from .registry.plugins import PluginFailure
+from .registry.ranking import Verdict
 
-@dataclass(frozen=True)
-class PluginFailure:
-    """A plugin that could not contribute, and why. It never breaks the import of the package."""
+if TYPE_CHECKING:
+    from .registry import Key, Registry
 
-    plugin: str
-    distribution: str
-    error: str
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One backend's verdict for one key."""
-
-    name: str
-    priority: int
-    origin: str
-    reason: Optional[str] = None  # why it is not eligible; None when eligible
-    broken: Optional[str] = None  # the run-time error that marked it broken for this key
-    chosen: bool = False
-
-    @property
-    def eligible(self) -> bool:
-        return self.reason is None and self.broken is None
-
-    @property
-    def status(self) -> str:
-        if self.chosen:
-            return "chosen"
-        if self.broken is not None:
-            return "broken"
-        return "eligible" if self.reason is None else "no"
+Candidate = Verdict  # the name of round 1
 
 
 @dataclass(frozen=True)
 class Explanation:
     """The answer of :func:`logprob_registry.explain`; ``str()`` renders it as a table."""
 
-    key: Key
-    candidates: Sequence[Candidate]
+    key: "Key"
+    candidates: Sequence[Verdict]
     chosen: Optional[str]
     forced: Optional[str] = None  # "name (source)" when an explicit choice is in force
     failures: Sequence[PluginFailure] = field(default_factory=tuple)
@@ -55,7 +31,7 @@ class Explanation:
     def eligible(self) -> List[str]:
         return [c.name for c in self.candidates if c.eligible]
 
-    def __getitem__(self, name: str) -> Candidate:
+    def __getitem__(self, name: str) -> Verdict:
         for c in self.candidates:
             if c.name == name:
                 return c
@@ -84,3 +60,52 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     out = [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths)).rstrip()]
     out += [fmt.format(*map(str, r)).rstrip() for r in rows]
     return "\n".join(out)
+
+
+def info(registry: "Registry", dtype: torch.dtype = torch.float32, requires_grad: bool = False) -> str:
+    """The ``info`` report: versions, devices, plugins, configuration, and every op's verdicts for
+    the main device and the CPU."""
+    from . import config
+    from .opspec import OPS
+    from .registry import ENV_VAR, Key
+
+    env = registry.environment()
+
+    def v(x: object) -> str:
+        return str(x) if x is not None else "not installed"
+
+    lines = [
+        f"python     {platform.python_version()}",
+        f"torch      {env.torch_version}" + (f" (ROCm {env.hip_version})" if env.hip_version else "")
+        + (f" (CUDA {env.cuda_version})" if env.cuda_version else ""),
+        f"triton     {v(env.triton_version)}",
+        f"torch_npu  {v(env.torch_npu_version)}",
+        "",
+        "devices",
+    ]
+    rows = [(d.type, str(d.count), ", ".join(d.names) or "-",
+             ".".join(map(str, d.capability)) if d.capability else "")
+            for d in env.devices.values()]
+    lines += ["  " + line for line in table(("type", "count", "names", "capability"), rows).splitlines()]
+    lines += ["", "plugins"]
+    rows = [(name, dist, ", ".join(names) or "-") for name, dist, names in registry.plugins()]
+    lines += ["  " + line for line in table(("plugin", "distribution", "backends"), rows).splitlines()]
+    for f in registry.failures():
+        lines.append(f"  FAILED {f.plugin} ({f.distribution}): {f.error}")
+    lines += ["", "configuration"]
+    rows = [(name, value, doc) for name, value, doc in config.describe()]
+    lines += ["  " + line for line in table(("variable", "value", "what it does"), rows).splitlines()]
+    for problem in config.problems():
+        lines.append(f"  INVALID: {problem}; every call raises until it is fixed or unset")
+    forced, source = registry.forced()
+    if forced:
+        lines += ["", f"explicit choice in force: {forced} ({source})"]
+    devices = [env.main_device] + (["cpu"] if env.main_device != "cpu" else [])
+    for device in devices:
+        for op in OPS:
+            explanation = registry.explain(Key(op, device, dtype, requires_grad))
+            # plugin failures are listed once above, not under every table
+            text = "\n".join(line for line in str(explanation).splitlines() if not line.startswith("plugin "))
+            lines += ["", text]
+    lines += ["", f"Force a backend with {ENV_VAR}=NAME, lr.use_backend(NAME) or backend=NAME."]
+    return "\n".join(lines)

@@ -110,5 +110,32 @@ def _unravel(index: int, shape: torch.Size) -> tuple:
     return tuple(reversed(out))
 
 
+def check_hidden(hidden: object, weight: object, bias: object):
+    """``hidden (..., H)``, ``weight (V, H)``, ``bias (V,)`` or None: float tensors of one dtype on
+    one device."""
+    hidden = check_float(hidden, "hidden")
+    weight = check_float(weight, "weight")
+    if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight shape {tuple(weight.shape)} does not fit hidden shape {tuple(hidden.shape)}: "
+            "expected hidden (..., H) and weight (V, H)"
+        )
+    tensors = {"weight": weight}
+    if bias is not None:
+        bias = check_float(bias, "bias")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias shape {tuple(bias.shape)} does not match weight shape "
+                             f"{tuple(weight.shape)}: expected ({weight.shape[0]},)")
+        tensors["bias"] = bias
+    for name, t in tensors.items():
+        check_same_device(t, hidden.device, name, "hidden")
+        if t.dtype != hidden.dtype:
+            raise TypeError(
+                f"hidden is {hidden.dtype} but {name} is {t.dtype}; give them one dtype, "
+                f"for example {name}.to(hidden.dtype)"
+            )
+    return hidden, weight, bias
+
+
 def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

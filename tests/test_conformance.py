@@ -4,7 +4,7 @@ through an entry point: what CI proves on every run (``logprob-registry check`` 
 import pytest
 
 import logprob_registry as lr
-from logprob_registry.check import not_eligible_reason
+from logprob_registry.testing.runner import not_eligible_reason
 from logprob_registry.environment import get_environment
 from logprob_registry.testing import BackendConformance
 

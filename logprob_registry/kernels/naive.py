@@ -10,45 +10,38 @@ import torch
 
 import logprob_registry as lr
 from logprob_registry import reference as ref
+from logprob_registry.dtypes import FLOAT_DTYPES, result_dtype
 
-
-def _dtype(t: torch.Tensor) -> torch.dtype:
-    return ref.result_dtype(t.dtype)
+from ._common import pad_rows
 
 
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
-    return ref.logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=_dtype(logits))
+    return ref.logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index,
+                        dtype=result_dtype(logits.dtype))
 
 
 def entropy(logits, *, temperature):
-    return ref.entropy(logits, temperature=temperature, dtype=_dtype(logits))
+    return ref.entropy(logits, temperature=temperature, dtype=result_dtype(logits.dtype))
 
 
 def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward):
     return ref.logprobs_and_entropy(
-        logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=_dtype(logits)
+        logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=result_dtype(logits.dtype)
     )
-
-
-#: Fewer token rows than this are padded with zero rows before the matmul: the CPU matmul takes
-#: another path for a handful of rows, which would make a row's result depend on its batch.
-MIN_GEMM_ROWS = 16
 
 
 def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy):
-    lead, short = labels.shape, MIN_GEMM_ROWS - labels.numel()
-    if short > 0:
-        hidden = torch.cat([hidden.reshape(-1, hidden.shape[-1]), hidden.new_zeros(short, hidden.shape[-1])])
-        labels = torch.cat([labels.reshape(-1), labels.new_zeros(short)])
+    lead, n = labels.shape, labels.numel()
+    # a few rows are padded so that the matmul takes the path it takes for a batch (batch invariance)
+    flat = pad_rows(hidden.reshape(n, hidden.shape[-1]))
+    padded_labels = torch.cat([labels.reshape(-1), labels.new_zeros(flat.shape[0] - n)])
     out = ref.logprobs_from_hidden(
-        hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
-        return_entropy=return_entropy, dtype=_dtype(hidden),
+        flat, weight, padded_labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
+        return_entropy=return_entropy, dtype=result_dtype(hidden.dtype),
     )
-    if short <= 0:
-        return out
     if return_entropy:
-        return out[0][: labels.numel() - short].view(lead), out[1][: labels.numel() - short].view(lead)
-    return out[: labels.numel() - short].view(lead)
+        return out[0][:n].view(lead), out[1][:n].view(lead)
+    return out[:n].view(lead)
 
 
 @lr.hookimpl
@@ -61,8 +54,8 @@ def register_backends(register):
             "logprobs_and_entropy": logprobs_and_entropy,
             "logprobs_from_hidden": logprobs_from_hidden,
         },
-        devices={"cpu", "cuda", "npu", "xpu", "mps"},
-        dtypes={torch.float16, torch.bfloat16, torch.float32, torch.float64},
+        devices={"cpu", "cuda", "npu", "xpu", "mps", "hpu"},
+        dtypes=set(FLOAT_DTYPES),
         priority=0,
         autograd=True,
         batch_invariant=True,

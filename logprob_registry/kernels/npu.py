@@ -19,7 +19,7 @@ what ``memory`` declares. Its priority (15) is above ``chunked`` (10): on an NPU
 a caller short of memory forces ``chunked`` with ``use_backend("chunked")`` or
 ``LOGPROB_REGISTRY_BACKEND=chunked``.
 
-Not run on Ascend hardware here (see README "Hardware"): its eligibility is tested with a stand-in
+Not run on Ascend hardware here (docs/hardware.md): its eligibility is tested with a stand-in
 ``torch_npu`` and its gap-covering with a test double of the op's documented semantics.
 """
 
@@ -73,7 +73,7 @@ def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
     )
 
 
-def available(env) -> Optional[str]:
+def available(env, device_type: str) -> Optional[str]:
     """A torch_npu too old to have the fused op is refused (checked only once torch_npu is loaded)."""
     module = sys.modules.get("torch_npu")
     if module is not None and not hasattr(module, OP):

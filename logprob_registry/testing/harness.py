@@ -9,14 +9,16 @@ from typing import Optional, Sequence, Tuple
 import pytest
 import torch
 
-import logprob_registry as lr
 from logprob_registry import reference as ref
 from logprob_registry.backend import Backend
-from logprob_registry.eligibility import Key, why_not
-from logprob_registry.environment import MAIN_DEVICE_ORDER, get_environment
+from logprob_registry.dtypes import result_dtype
+from logprob_registry.environment import MAIN_DEVICE_ORDER
+from logprob_registry.opspec import OPS
+from logprob_registry.registry import Key, get_registry
 
-LOGITS_OPS = ("logprobs", "entropy", "logprobs_and_entropy")
-LABEL_OPS = ("logprobs", "logprobs_and_entropy")
+#: Ops over logits, and those of them that take labels (read from the op table).
+LOGITS_OPS = tuple(name for name, spec in OPS.items() if spec.dtype_input == "logits")
+LABEL_OPS = tuple(name for name in LOGITS_OPS if "labels" in OPS[name].inputs)
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -28,7 +30,7 @@ DTYPES = {
 def default_device(backend: Backend) -> str:
     """The machine's main device if the backend runs there, else the backend's first device type
     in the order the registry ranks devices (tests then skip, naming it, if it is absent)."""
-    main = get_environment().main_device
+    main = get_registry().environment().main_device
     if main in backend.devices:
         return main
     return next(d for d in MAIN_DEVICE_ORDER if d in backend.devices)
@@ -48,9 +50,10 @@ class Harness:
     # ------------------------------------------------------------------ skips
     def require(self, op: str, dtype: torch.dtype = torch.float32, grad: bool = False) -> None:
         """Skip the test, with the registry's reason, unless the backend can run this case here."""
-        reason = why_not(self.backend, Key(op, self.device.type, dtype, grad), get_environment())
-        if reason is not None:
-            pytest.skip(f"{self.name}: {reason}")
+        key = Key(op, self.device.type, dtype, grad)
+        verdict = next(v for v in get_registry().verdicts(key) if v.name == self.name)
+        if verdict.reason is not None:
+            pytest.skip(f"{self.name}: {verdict.reason}")
 
     def require_capability(self, flag: str, why: str) -> None:
         if not getattr(self.backend, flag):
@@ -66,7 +69,7 @@ class Harness:
     def logits(self, shape: Sequence[int], dtype: torch.dtype = torch.float32, scale: float = 3.0,
                seed: int = 0) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed)
-        x = torch.randn(tuple(shape), generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        x = torch.randn(tuple(shape), generator=g, dtype=result_dtype(dtype))
         return x.mul_(scale).to(dtype).to(self.device)
 
     def labels(self, shape: Sequence[int], vocab: int, dtype: torch.dtype = torch.int64, seed: int = 1) -> torch.Tensor:
@@ -76,17 +79,15 @@ class Harness:
     # ------------------------------------------------------------------ calls
     def call(self, op: str, logits: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
              temperature: float = 1.0, ignore_index: Optional[int] = None,
-             inplace_backward: bool = False) -> Tuple[torch.Tensor, ...]:
-        """The public function of ``op`` with ``backend=NAME``; always a tuple of outputs."""
-        if op == "entropy":
-            return (lr.entropy_from_logits(logits, temperature=temperature, backend=self.name),)
-        kw = dict(temperature=temperature, ignore_index=ignore_index, inplace_backward=inplace_backward,
-                  backend=self.name)
-        if op == "logprobs":
-            return (lr.logprobs_from_logits(logits, labels, **kw),)
-        if op == "logprobs_and_entropy":
-            return tuple(lr.logprobs_and_entropy(logits, labels, **kw))
-        raise ValueError(f"not a logits op: {op}")
+             inplace_backward: bool = False, **options) -> Tuple[torch.Tensor, ...]:
+        """The public function of ``op`` with ``backend=NAME``; always a tuple of outputs. Options
+        the op does not take are left out (``ignore_index`` for the entropy)."""
+        spec = OPS[op]
+        given = dict(temperature=temperature, ignore_index=ignore_index, inplace_backward=inplace_backward, **options)
+        kwargs = {k: v for k, v in given.items() if k in spec.option_index}
+        inputs = (logits, labels)[: len(spec.inputs)]
+        out = spec.public()(*inputs, backend=self.name, **kwargs)
+        return tuple(out) if len(spec.output_names(kwargs)) > 1 else (out,)
 
     @staticmethod
     def reference(op: str, logits: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
@@ -102,10 +103,12 @@ class Harness:
         return tuple(ref.logprobs_and_entropy(x, y, temperature=temperature, ignore_index=ignore_index))
 
     def call_hidden(self, hidden, weight, labels, *, bias=None, temperature=1.0, ignore_index=None,
-                    return_entropy=False) -> Tuple[torch.Tensor, ...]:
-        out = lr.logprobs_from_hidden(hidden, weight, labels, bias=bias, temperature=temperature,
-                                      ignore_index=ignore_index, return_entropy=return_entropy, backend=self.name)
-        return tuple(out) if return_entropy else (out,)
+                    return_entropy=False, **options) -> Tuple[torch.Tensor, ...]:
+        spec = OPS["logprobs_from_hidden"]
+        kwargs = dict(bias=bias, temperature=temperature, ignore_index=ignore_index,
+                      return_entropy=return_entropy, **options)
+        out = spec.public()(hidden, weight, labels, backend=self.name, **kwargs)
+        return tuple(out) if len(spec.output_names(kwargs)) > 1 else (out,)
 
     @staticmethod
     def reference_hidden(hidden, weight, labels, *, bias=None, temperature=1.0, ignore_index=None,
@@ -116,4 +119,4 @@ class Harness:
         return tuple(out) if return_entropy else (out,)
 
     def result_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return ref.result_dtype(dtype)
+        return result_dtype(dtype)

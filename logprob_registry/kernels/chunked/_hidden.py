@@ -30,20 +30,23 @@ the CPU build tested; not promised by GPU libraries, which pick kernels by shape
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple, Optional
 
 import torch
 
-CHUNK_BYTES_ENV = "LOGPROB_REGISTRY_HIDDEN_CHUNK_BYTES"
+from logprob_registry import config
+from logprob_registry.dtypes import result_dtype as _compute_dtype
+
+from .._common import MIN_GEMM_ROWS, pad_rows
+
 #: Bytes of one fp32 tile of logits, by device type ("default" for the others). Small on the CPU,
 #: where a 1024 x 1024 tile already keeps the matmuls as fast as one big matmul; larger on
 #: accelerators (not measured here), where fewer, larger launches matter more than a few hundred MB.
 DEFAULT_CHUNK_BYTES = {"cpu": 4 << 20, "default": 256 << 20}
-#: Tiles of fewer token rows are padded with zero rows to this many: a matmul library may take
-#: another path for a handful of rows (the CPU one does below 16), which would make a row's
-#: result depend on the size of its batch.
-MIN_GEMM_ROWS = 16
+CHUNK_BYTES = config.declare(config.Variable(
+    "LOGPROB_REGISTRY_HIDDEN_CHUNK_BYTES", config.parse_bytes, None,
+    "bytes of one fp32 tile of logits in chunked's logprobs_from_hidden (default 4MiB on CPU, 256MiB elsewhere)"))
+CHUNK_BYTES_ENV = CHUNK_BYTES.name
 
 
 __all__ = [
@@ -61,21 +64,12 @@ class Plan(NamedTuple):
 
 def resolve_chunk_bytes(device: torch.device, override: Optional[int] = None) -> int:
     """The tile budget in bytes: ``override``, else the environment variable, else the default."""
-    if override is None:
-        text = os.environ.get(CHUNK_BYTES_ENV, "").strip()
-        if text:
-            try:
-                override = int(text)
-            except ValueError:
-                raise ValueError(f"{CHUNK_BYTES_ENV}={text!r} is not an integer number of bytes") from None
-            what = CHUNK_BYTES_ENV
-        else:
-            return DEFAULT_CHUNK_BYTES.get(device.type, DEFAULT_CHUNK_BYTES["default"])
-    else:
-        what = "chunk_bytes"
-    if isinstance(override, bool) or not isinstance(override, int) or override < 1:
-        raise ValueError(f"{what} must be a positive integer number of bytes, got {override!r}")
-    return override
+    if override is not None:
+        return config.positive_bytes(override, "chunk_bytes")
+    configured = config.get(CHUNK_BYTES.name)
+    if configured is not None:
+        return configured
+    return DEFAULT_CHUNK_BYTES.get(device.type, DEFAULT_CHUNK_BYTES["default"])
 
 
 def plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int) -> Plan:
@@ -96,26 +90,14 @@ def plan(n: int, v: int, h: int, dtype: torch.dtype, budget: int) -> Plan:
     return Plan(rows, cols)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _block(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
-
-
-def _padded(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with zero rows appended up to :data:`MIN_GEMM_ROWS` rows (``x`` itself if it has them)."""
-    short = MIN_GEMM_ROWS - x.shape[0]
-    if short <= 0:
-        return x
-    return torch.cat([x, x.new_zeros(short, x.shape[1])])
 
 
 def _tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_t: float) -> torch.Tensor:
     """``(h @ w.T + b) / T`` for one tile, in the compute dtype of ``h`` and ``w``."""
     rows = h.shape[0]
-    h = _padded(h)
+    h = pad_rows(h)
     z = h @ w.t() if b is None else torch.addmm(b, h, w.t())
     if inv_t != 1.0:
         z.mul_(inv_t)
@@ -127,8 +109,8 @@ def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     if a.shape[0] >= MIN_GEMM_ROWS:
         acc.addmm_(a, b)
     else:
-        tmp = _padded(acc)
-        tmp.addmm_(_padded(a), b)
+        tmp = pad_rows(acc)
+        tmp.addmm_(pad_rows(a), b)
         acc.copy_(tmp[: acc.shape[0]])
 
 

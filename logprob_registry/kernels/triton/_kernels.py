@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from logprob_registry.dtypes import result_dtype
+
 try:
     INTERPRETED = bool(triton.knobs.runtime.interpret)
 except AttributeError:  # older triton: the variable is read the same way
@@ -232,9 +234,7 @@ def _backward_kernel(
 
 
 # ------------------------------------------------------------------------------------------ launch
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
+_acc = result_dtype
 
 _TL = {torch.float32: tl.float32, torch.float64: tl.float64}
 

@@ -1,57 +1,47 @@
 """``chunked``: fp32-accurate log-probabilities and entropy in bounded memory, on every device.
 
-Rows of the logits are processed a chunk at a time, each chunk upcast to fp32 (fp64 for fp64
-input) in a workspace of a few MiB that stays in cache: the forward never makes a copy of the
-logits, whatever their dtype or strides (``logits[:, :-1]`` included), and never computes in
-bf16/fp16. The backward keeps only the logits and one to three numbers per row, recomputes the
-softmax chunk by chunk and writes ``(onehot - softmax) * grad / temperature`` (plus the entropy
-term when asked) into the gradient. Pure PyTorch, so it runs wherever torch runs.
+Rows of the logits go through torch's softmax a chunk at a time, each chunk upcast to fp32 (fp64
+for fp64 input) in a small workspace, so the forward never copies the logits (strided
+``logits[:, :-1]`` included) and never computes in bf16/fp16; the backward keeps one to three
+numbers per row and recomputes the softmax chunk by chunk, out of place or over the logits
+(``inplace_backward=True``). ``logprobs_from_hidden`` forms the logits one tile at a time
+(:mod:`._hidden`). Pure PyTorch: it runs wherever torch runs. How it works, its settings and its
+measured numbers: docs/backends/chunked.md.
 
-Workspace: the two chunk buffers together take at most :func:`workspace_bytes` bytes (default
-``DEFAULT_WORKSPACE_BYTES``, 8 MiB; at least two rows whatever the budget). Set it with
-:func:`set_workspace_bytes` or the environment variable ``LOGPROB_REGISTRY_CHUNKED_WORKSPACE``
-(bytes, or a number with a ``K``/``KiB``/``M``/``MiB``/``G``/``GiB`` suffix). The budget changes
-speed only: a row's result is the same bits whatever the budget, on the CPU.
-
-In-place backward (``inplace_backward=True``): the gradient is written into the logits' own
-storage and returned as their gradient, so the backward allocates nothing of the logits' size.
-The logits are overwritten by the backward: use it only when nothing reads them afterwards and no
-other autograd node saved them for its own backward (for instance when the logits are a leaf, or
-the output of a matmul whose backward needs only its inputs). Non-contiguous logits are written in
-place through their strides.
+Modules: :mod:`._rows` (the row loops), :mod:`._hidden` (the fused linear op).
 """
 
 from __future__ import annotations
 
-import os
-import re
 from typing import Optional, Tuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
 import logprob_registry as lr
+from logprob_registry import config
 from logprob_registry import reference as ref
+from logprob_registry.dtypes import FLOAT_DTYPES
 
-from . import _chunked_loops as loops
-from . import chunked_hidden
+from . import _hidden
+from . import _rows as loops
 
 DEFAULT_WORKSPACE_BYTES = 8 << 20
-WORKSPACE_ENV = "LOGPROB_REGISTRY_CHUNKED_WORKSPACE"
+WORKSPACE = config.declare(config.Variable(
+    "LOGPROB_REGISTRY_CHUNKED_WORKSPACE", config.parse_bytes, DEFAULT_WORKSPACE_BYTES,
+    "bytes of the chunked backend's two fp32 chunk buffers (default 8MiB)"))
+WORKSPACE_ENV = WORKSPACE.name
 # Devices whose row kernels work row by row whatever the shape; elsewhere chunks get a fixed shape.
 ROW_WISE_DEVICES = frozenset({"cpu"})
 
 _workspace_override: Optional[int] = None
-_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
 
 def set_workspace_bytes(nbytes: Optional[int]) -> None:
     """Set the workspace budget of the ``chunked`` backend for this process; ``None`` restores the
     environment variable or the default. Larger budgets mean fewer, larger chunks."""
     global _workspace_override
-    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0):
-        raise ValueError(f"the workspace budget must be a positive number of bytes, got {nbytes!r}")
-    _workspace_override = nbytes
+    _workspace_override = None if nbytes is None else config.positive_bytes(nbytes, "the workspace budget")
 
 
 def workspace_bytes() -> int:
@@ -59,17 +49,7 @@ def workspace_bytes() -> int:
     ``LOGPROB_REGISTRY_CHUNKED_WORKSPACE``, else ``DEFAULT_WORKSPACE_BYTES``."""
     if _workspace_override is not None:
         return _workspace_override
-    text = os.environ.get(WORKSPACE_ENV, "").strip()
-    if not text:
-        return DEFAULT_WORKSPACE_BYTES
-    match = re.fullmatch(r"(\d+)\s*([a-zA-Z]*)", text)
-    unit = match and _UNITS.get(match.group(2).lower())
-    if not unit or int(match.group(1)) <= 0:
-        raise ValueError(
-            f"{WORKSPACE_ENV}={text!r} is not a workspace size; give a positive number of bytes "
-            "such as 4194304 or 4MiB"
-        )
-    return int(match.group(1)) * unit
+    return config.get(WORKSPACE.name)
 
 
 def _plan(logits: torch.Tensor, temperature: float, want_logprobs: bool, want_entropy: bool) -> loops.Plan:
@@ -173,10 +153,10 @@ def register_backends(register):
             "logprobs": logprobs,
             "entropy": entropy,
             "logprobs_and_entropy": logprobs_and_entropy,
-            "logprobs_from_hidden": chunked_hidden.logprobs_from_hidden,
+            "logprobs_from_hidden": _hidden.logprobs_from_hidden,
         },
-        devices={"cpu", "cuda", "npu", "xpu", "mps"},
-        dtypes={torch.float16, torch.bfloat16, torch.float32, torch.float64},
+        devices={"cpu", "cuda", "npu", "xpu", "mps", "hpu"},
+        dtypes=set(FLOAT_DTYPES),
         priority=10,
         autograd=True,
         inplace_backward=True,

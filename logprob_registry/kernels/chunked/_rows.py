@@ -32,6 +32,8 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
+from logprob_registry.dtypes import result_dtype as compute_dtype
+
 
 @dataclass
 class Plan:
@@ -58,10 +60,6 @@ class Stats:
     logz: Optional[torch.Tensor] = None
     mean_z: Optional[torch.Tensor] = None  # E_q[y - m], for the entropy and its gradient
     plabel: Optional[torch.Tensor] = None
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def rows_per_chunk(vocab: int, dtype: torch.dtype, workspace_bytes: int) -> int:

@@ -10,7 +10,7 @@ import json
 import sys
 from typing import List, Optional
 
-from .benchmark.settings import (
+from ..benchmark.settings import (
     BENCH_OPS, DEFAULT_PRESET, DTYPES, PRESETS, Setting, cpu_available_bytes, parse_list, parse_shape,
 )
 
@@ -81,7 +81,7 @@ def settings(args: argparse.Namespace, default_device: str) -> List[Setting]:
 def _check_device(device: str) -> str:
     import torch
 
-    from .environment import get_environment
+    from ..environment import get_environment
 
     try:
         kind = torch.device(device).type
@@ -96,8 +96,8 @@ def _check_device(device: str) -> str:
 
 def _check_memory(todo: List[Setting], plugins: List[str], timeout: float) -> Optional[str]:
     """Refuse settings that cannot fit; returns the accelerator's name when one was probed."""
-    from .benchmark import measure
-    from .benchmark.settings import refusal
+    from ..benchmark import measure
+    from ..benchmark.settings import refusal
 
     s0 = todo[0]
     name = None
@@ -122,7 +122,7 @@ def _methods(s: Setting, only: List[str]) -> tuple:
     import torch
 
     import logprob_registry as lr
-    from .benchmark.workload import BASELINE, BASELINE_DESCRIPTION
+    from ..benchmark.workload import BASELINE, BASELINE_DESCRIPTION
 
     expl = lr.explain(s.op, device=s.device_type, dtype=getattr(torch, s.dtype), requires_grad=s.backward)
     names = expl.eligible
@@ -149,16 +149,16 @@ def _progress(text: str, end_line: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .benchmark import measure, render
-    from .benchmark.plugins import register_plugins, unregister_plugins
-    from .environment import get_environment
+    from ..benchmark import measure, render
+    from ..benchmark.plugins import register_plugins, unregister_plugins
+    from ..environment import get_environment
 
     registered: List[str] = []
     try:
         todo = settings(args, get_environment().main_device)
         _check_device(todo[0].device)
         if args.plot:
-            from .benchmark.plot import check_available
+            from ..benchmark.plot import check_available
 
             try:
                 check_available()
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
     if args.plot:
-        from .benchmark.plot import plot
+        from ..benchmark.plot import plot
 
         plot(doc, args.plot)
         _progress(f"bench: chart written to {args.plot}", True)

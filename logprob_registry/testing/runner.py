@@ -1,14 +1,12 @@
-"""``logprob-registry check``: the conformance suite against registered backends, one table.
+"""The engine of ``logprob-registry check``: the shipped suite against registered backends.
 
-Each backend runs the shipped suite (:mod:`logprob_registry.testing`) in its own pytest process, so
-that a crashing kernel takes down only its own row. Backends that cannot run on the device are
-listed with the reason. The exit status is 1 when a backend fails, errors, or was named with
-``--backend`` but cannot run here; 0 otherwise.
+Each backend runs the suite (:mod:`logprob_registry.testing`) in its own pytest process, so that a
+crashing kernel takes down only its own result. A backend that cannot run on the device gets a
+result saying why, without running anything.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -18,17 +16,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from .backend import DEVICE_TYPES, Backend
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", action="append", default=[], metavar="NAME",
-                        help="backend to check (repeat for several); default: every registered backend")
-    parser.add_argument("--device", default=None, choices=DEVICE_TYPES,
-                        help="device type to run on (default: the machine's main device)")
-    parser.add_argument("-k", dest="keyword", default=None, metavar="EXPRESSION",
-                        help="only the suite's tests matching this pytest -k expression")
-    parser.add_argument("-v", "--verbose", action="store_true", help="print pytest's report for each backend")
+from ..backend import Backend
 
 
 @dataclass
@@ -52,24 +40,23 @@ class Result:
 
 def not_eligible_reason(backend: Backend, device: str) -> Optional[str]:
     """None when ``backend`` can run at least one of its ops on ``device`` here, else why not."""
-    from .eligibility import Key, why_not
-    from .environment import get_environment
+    from ..registry import Key, get_registry
 
-    env = get_environment()
+    registry = get_registry()
     dtypes = sorted(backend.dtypes, key=str)
     first: Optional[str] = None
     for op in backend.ops:
         for dtype in dtypes:
-            reason = why_not(backend, Key(op, device, dtype, False), env)
-            if reason is None:
+            verdict = next(v for v in registry.verdicts(Key(op, device, dtype, False)) if v.name == backend.name)
+            if verdict.reason is None:
                 return None
-            first = first or reason
+            first = first or verdict.reason
     return first
 
 
 def run_suite(name: str, device: str, keyword: Optional[str] = None) -> Result:
     """The shipped suite against backend ``name`` on ``device``, in a pytest subprocess."""
-    from .testing import suite_path
+    from . import suite_path
 
     with tempfile.TemporaryDirectory(prefix="logprob-check-") as tmp:
         ini, report = os.path.join(tmp, "pytest.ini"), os.path.join(tmp, "report.xml")
@@ -118,40 +105,15 @@ def _parse(name: str, report: str, seconds: float, output: str) -> Result:
     return result
 
 
-def run(args: argparse.Namespace) -> int:
-    from .environment import get_environment
-    from .registry import NoEligibleBackendError, get_registry
-    from .report import table
-
-    registry = get_registry()
-    device = args.device or get_environment().main_device
-    try:
-        backends = [registry.get(n) for n in args.backend] if args.backend else registry.backends()
-    except NoEligibleBackendError as exc:
-        print(f"logprob-registry check: {exc}", file=sys.stderr)
-        return 2
+def check(backends: List[Backend], device: str, keyword: Optional[str] = None,
+          progress=lambda text: None) -> List[Result]:
+    """One result per backend: the suite's outcome, or why it cannot run on ``device``."""
     results: List[Result] = []
     for backend in backends:
         reason = not_eligible_reason(backend, device)
         if reason is not None:
             results.append(Result(backend.name, f"not eligible on {device}: {reason}"))
             continue
-        print(f"checking {backend.name} on {device} ...", file=sys.stderr, flush=True)
-        result = run_suite(backend.name, device, args.keyword)
-        if args.verbose:
-            print(result.output)
-        results.append(result)
-    rows = [(r.backend, device, *(("-",) * 4 if r.verdict.startswith("not eligible") else
-                                   (str(r.passed), str(r.failed), str(r.skipped), f"{r.seconds:.1f}")), r.verdict)
-            for r in results]
-    print(table(("backend", "device", "passed", "failed", "skipped", "seconds", "verdict"), rows))
-    for r in results:
-        for failure in r.failures:
-            print(f"{r.backend}: FAILED {failure}")
-        for reason, count in sorted(r.skips.items(), key=lambda kv: -kv[1]):
-            print(f"{r.backend}: skipped {count}: {reason}")
-        if r.verdict.startswith("error") and not args.verbose:
-            print(f"{r.backend}: {r.output.strip()[-2000:]}")
-    explicit = set(args.backend)
-    bad = [r for r in results if not r.ok and (not r.verdict.startswith("not eligible") or r.backend in explicit)]
-    return 1 if bad else 0
+        progress(f"checking {backend.name} on {device} ...")
+        results.append(run_suite(backend.name, device, keyword))
+    return results

@@ -1,4 +1,9 @@
-"""``logprob-registry`` (also ``python -m logprob_registry``): info, check, bench."""
+"""``logprob-registry`` (also ``python -m logprob_registry``): thin commands over their engines.
+
+Each command is a module of this package with ``add_arguments(parser)`` and ``run(args) -> exit
+status``: ``info`` (over :mod:`logprob_registry.report`), ``check`` (over
+:mod:`logprob_registry.testing.runner`), ``bench`` (over :mod:`logprob_registry.benchmark`).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,10 @@ import importlib
 import sys
 from typing import List, Optional
 
-# Each subcommand lives in its own module with add_arguments(parser) and run(args) -> exit code.
 COMMANDS = {
-    "info": ("logprob_registry.info", "what was detected, which plugins loaded, which backend runs each op (default)"),
-    "check": ("logprob_registry.check", "run the conformance suite against backends; non-zero exit if one fails"),
-    "bench": ("logprob_registry.bench", "time and measure every eligible backend on this machine"),
+    "info": ("logprob_registry.cli.info", "what was detected, which plugins loaded, which backend runs each op (default)"),
+    "check": ("logprob_registry.cli.check", "run the conformance suite against backends; non-zero exit if one fails"),
+    "bench": ("logprob_registry.cli.bench", "time and measure every eligible backend on this machine"),
 }
 
 

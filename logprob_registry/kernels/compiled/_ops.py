@@ -1,168 +1,24 @@
-"""``compiled``: the log-softmax statistics fused by ``torch.compile`` (inductor), forward and backward.
-
-Forward: a compiled kernel reads each row of the logits in place (any strides, any float dtype,
-upcast inside the kernel) and returns four numbers per row: the max, the sum of exponentials, for
-entropy the exponential-weighted distance to the max, and the label's logit. A few N-sized eager
-operations finish. Nothing of size N x V is allocated.
-
-Backward: a custom ``autograd.Function`` saves the logits and N-sized statistics only; a second
-compiled kernel writes the gradient in one pass, into a new tensor or, with
-``inplace_backward=True``, into the logits' own storage.
-
-Compilation: one compile per kind of call (kernel, dtype, layout class) and process, covering every
-batch and sequence length (dynamic shapes). The forward reads logits of more than two leading dims
-(``logits[:, :-1]``) plane by plane, with the 2-D kernel. A failure to compile raises from the forward, where the
-registry can fall back to the next backend. The backward kernel of a kind is compiled during the
-first forward that needs gradients, so that its failure surfaces there too; should a backward
-kernel still fail later (a layout first met in backward), that backward runs the same math eagerly,
-a block of rows at a time, with one ``BackendFallbackWarning``.
-"""
+"""The ops of the ``compiled`` backend: layout handling, the forward, and the autograd Function
+whose backward runs the compiled gradient kernel (or, should it fail late, the same math eagerly)."""
 
 from __future__ import annotations
 
-import inspect
 import itertools
-import os
-import shutil
-import sys
 import threading
 import warnings
-from typing import Callable, Dict, NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional
 
 import torch
 
 import logprob_registry as lr
 from logprob_registry import reference as ref
+from logprob_registry.dtypes import result_dtype
 
-# dynamic temperature without a recompile per value needs floats unspecialised (the default since
-# torch 2.6); only torch 2.13 has been tested.
-TORCH_SPEC = ">=2.6"
-# split_reductions off: a row is reduced inside one program, so that its result never depends on
-# the batch around it, on CUDA as on CPU. cpp.dynamic_threads on: a CPU kernel always has a parallel
-# loop and lets OpenMP size it at run time; otherwise a kernel first compiled for a few rows (in this
-# process or, through inductor's on-disk cache, in another) stays single-threaded for any size.
-INDUCTOR_OPTIONS = {"split_reductions": False, "cpp.dynamic_threads": True}
-# Compiles allowed per kernel (dtypes x layout classes x devices) before it counts as a storm.
-RECOMPILE_LIMIT = 64
-# Rows per block of the eager backward used when a backward kernel cannot be compiled.
+from ._kernels import LN2, LOG2E, CompileError, _grad_math, _run
+
+#: Rows per block of the eager backward used when a backward kernel cannot be compiled.
 EAGER_BLOCK_BYTES = 64 << 20
-
-
-# --------------------------------------------------------------------------- kernels (compiled)
-# A row is scaled as a = (x - max(x)) * k with k = log2(e) / t, and exponentiated with exp2, which
-# inductor's CPU code computes faster than exp (0.78x of the forward's time, measured). max(x / t) is
-# max(x) / t, so the max pass reads the logits unscaled; subtracting the max before scaling keeps
-# a row of large logits (1e4) accurate, and a log-probability (x[label] - max) / t - log(sum) never
-# subtracts two large numbers.
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
-
-def _upcast(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype == torch.float64 else x.float()
-
-
-def _fwd_logprobs(x, idx, k: float):
-    """Row max of x, sum of exp2(a), and the label's logit."""
-    xf = _upcast(x)
-    m = xf.amax(-1, keepdim=True)
-    s = torch.exp2((xf - m) * k).sum(-1, keepdim=True)
-    return m, s, x.gather(-1, idx)
-
-
-def _fwd_entropy(x, idx, k: float):
-    """As :func:`_fwd_logprobs`, plus the sum of -a * exp2(a) (0 where x is -inf)."""
-    xf = _upcast(x)
-    m = xf.amax(-1, keepdim=True)
-    a = (xf - m) * k
-    e = torch.exp2(a)
-    s = e.sum(-1, keepdim=True)
-    u = torch.where(torch.isneginf(xf), 0.0, -e * a).sum(-1, keepdim=True)
-    return m, s, u, x.gather(-1, idx)
-
-
-def _grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float):
-    """d/dx of g_lp * logp[idx] + g_ent * entropy, in x's dtype (g_lp is 0 where ignored). The terms
-    of an op's missing output are skipped (``g_lp`` or ``g_ent`` None): lean for ``logprobs``."""
-    xf = _upcast(x)
-    log2p = (xf - m) * k - log2_s
-    p = torch.exp2(log2p)
-    grad = 0.0
-    if g_lp is not None:
-        hit = torch.arange(x.shape[-1], device=x.device) == idx
-        grad = torch.where(hit, g_lp, 0.0) - g_lp * p
-    if g_ent is not None:
-        grad = grad - g_ent * torch.where(torch.isneginf(xf), 0.0, p * (log2p * LN2 + h))
-    return (grad * inv_t).to(x.dtype)
-
-
-def _bwd(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float):
-    return _grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t)
-
-
-def _bwd_inplace(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float):
-    x.copy_(_grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t))
-
-
-KERNELS: Dict[str, Callable] = {
-    f.__name__.lstrip("_"): f for f in (_fwd_logprobs, _fwd_entropy, _bwd, _bwd_inplace)
-}
-_compiled: Dict[str, Callable] = {}
 _lock = threading.RLock()
-
-
-def _kernel(name: str) -> Callable:
-    """The compiled form of kernel ``name``, created on first use (compiling happens at its call)."""
-    with _lock:
-        if name not in _compiled:
-            kwargs = dict(dynamic=True, fullgraph=True, options=dict(INDUCTOR_OPTIONS))
-            if "recompile_limit" in inspect.signature(torch.compile).parameters:
-                kwargs["recompile_limit"] = RECOMPILE_LIMIT
-            _compiled[name] = torch.compile(KERNELS[name], **kwargs)
-        return _compiled[name]
-
-
-def compile_counts() -> Dict[str, Optional[int]]:
-    """How many compiled variants each kernel holds in this process (None where torch can't say)."""
-    try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    except ImportError:  # a torch without the debug hook
-        return {name: None for name in KERNELS}
-    return {name: len(_debug_get_cache_entry_list(f.__code__)) for name, f in KERNELS.items()}
-
-
-def reset() -> None:
-    """Forget every compiled kernel and warm-up of this module (tests use it to compile afresh)."""
-    with _lock:
-        _compiled.clear()
-        _warm.clear()
-        _eager_backward.clear()
-        for f in KERNELS.values():
-            torch._dynamo.reset_code(f.__code__)
-
-
-class CompileError(RuntimeError):
-    """torch.compile failed for one of this backend's kernels."""
-
-
-def _run(name: str, *args):
-    """Run compiled kernel ``name``; a failure to compile or run becomes a :class:`CompileError`."""
-    try:
-        with torch.no_grad():  # one grad mode for every call: the kernels specialise on it
-            return _kernel(name)(*args)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as exc:
-        cause = exc
-        while getattr(cause, "inner_exception", None) is not None:  # what the compiler backend raised
-            cause = cause.inner_exception
-        first = (str(cause).strip().splitlines() or [""])[0]
-        x = args[0]
-        raise CompileError(
-            f"torch.compile of its {name} kernel failed for {x.device.type} "
-            f"{str(x.dtype).replace('torch.', '')} logits ({type(cause).__name__}: {first})"
-        ) from exc
-
 
 # --------------------------------------------------------------------------- layout
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -308,7 +164,7 @@ def _warm_backward(rows: torch.Tensor, want: tuple, inv_t: float, inplace: bool)
     if inplace:  # the real logits must not be written: a scratch of the same layout class
         sample = _scratch(sample, target)
     lead = sample.shape[:-1] + (1,)
-    m = torch.zeros(lead, dtype=ref.result_dtype(rows.dtype), device=rows.device)
+    m = torch.zeros(lead, dtype=result_dtype(rows.dtype), device=rows.device)
     idx = torch.zeros(lead, dtype=torch.int64, device=rows.device)
     _run(key[0], sample, *_grad_args(want, idx, None, m, torch.zeros_like(m), None, None, None, inv_t))
     with _lock:
@@ -386,7 +242,7 @@ class _LogSoftmaxOps(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
-def _apply(logits, labels, temperature, ignore_index, want_logp, want_entropy, inplace):
+def apply(logits, labels, temperature, ignore_index, want_logp, want_entropy, inplace):
     if logits.numel() == 0:  # nothing to compile for
         return ref.outputs(logits, labels, temperature=temperature, ignore_index=ignore_index,
                            want_logprobs=want_logp, want_entropy=want_entropy)
@@ -398,81 +254,8 @@ def _apply(logits, labels, temperature, ignore_index, want_logp, want_entropy, i
     return outputs if len(outputs) > 1 else outputs[0]
 
 
-# --------------------------------------------------------------------------- ops
-def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
-    return _apply(logits, labels, temperature, ignore_index, True, False, inplace_backward)
-
-
-def entropy(logits, *, temperature):
-    return _apply(logits, None, temperature, None, False, True, False)
-
-
-def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward):
-    return _apply(logits, labels, temperature, ignore_index, True, True, inplace_backward)
-
-
-# --------------------------------------------------------------------------- eligibility
-def _compiler_candidates() -> tuple:
-    """The C++ compilers inductor would try, in its order, without importing inductor."""
-    config = sys.modules.get("torch._inductor.config")
-    if config is not None:  # already imported: honour what the process configured
-        cxx = config.cpp.cxx
-        found = cxx if isinstance(cxx, (list, tuple)) else (cxx,)
-    elif sys.platform == "win32":
-        found = (os.environ.get("CXX", "cl"),)
-    else:
-        found = (os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++"),)
-    return tuple(c for c in found if c)  # None stands for a conda download that is off by default
-
-
-def available(env) -> Optional[str]:
-    """Why torch.compile is off in this process, or None. Imports nothing: torch._dynamo is consulted
-    only when something else already imported it. (A Python that torch.compile does not support
-    shows up at the first call, as a run-time fallback.)"""
-    dynamo = sys.modules.get("torch._dynamo")
-    if os.environ.get("TORCHDYNAMO_DISABLE", "") not in ("", "0") or (
-        dynamo is not None and getattr(dynamo.config, "disable", False)
-    ):
-        return "torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1 or torch._dynamo.config.disable)"
-    return None
-
-
-def available_on(env, device: str) -> Optional[str]:
-    """Why torch.compile cannot compile for ``device`` tensors here, or None."""
-    if device == "cpu":
-        candidates = _compiler_candidates()
-        if any(shutil.which(c) for c in candidates):
-            return None
-        names = " or ".join(repr(c) for c in candidates) or "none configured"
-        return (f"torch.compile on CPU needs a C++ compiler and none was found ({names}); "
-                "install g++ or set CXX to a compiler")
-    if device == "cuda":
-        problem = env.module_problem("triton")
-        if problem:
-            return f"torch.compile on CUDA needs triton, and {problem}"
-        capability = env.cuda_capability
-        if not env.is_rocm and capability is not None and tuple(capability) < (7, 0):
-            return (f"torch.compile on CUDA needs compute capability 7.0 or newer (triton), "
-                    f"found {capability[0]}.{capability[1]}")
-        return None
-    return f"torch.compile is not enabled for {device} tensors in this backend"
-
-
-@lr.hookimpl
-def register_backends(register):
-    register(lr.Backend(
-        name="compiled",
-        ops={"logprobs": logprobs, "entropy": entropy, "logprobs_and_entropy": logprobs_and_entropy},
-        devices={"cpu", "cuda"},
-        dtypes={torch.float16, torch.bfloat16, torch.float32, torch.float64},
-        priority=20,
-        torch=TORCH_SPEC,
-        autograd=True,
-        available=available,
-        available_on=available_on,
-        inplace_backward=True,
-        batch_invariant=True,
-        deterministic=True,
-        description="torch.compile (inductor) of the row statistics and of the one-pass gradient; "
-                    "no N x V temporary; compiles once per kind of call and process",
-    ))
+def reset() -> None:
+    """Forget every warm-up and eager-backward decision (with :func:`._kernels.reset`)."""
+    with _lock:
+        _warm.clear()
+        _eager_backward.clear()

@@ -3,8 +3,8 @@
 Logprobs, entropy or both in one read of the logits (online log-sum-exp), in the logits' own dtype
 and any strides, accumulated in float32 (float64 for float64 logits); a backward kernel that
 writes the gradient out of place or over the logits (``inplace_backward``). The kernels live in
-``_triton_kernels`` and are imported only when an op runs: ``import logprob_registry`` never
-imports triton.
+:mod:`._kernels` and are imported only when an op runs: ``import logprob_registry`` never imports
+triton. Details and measured numbers: docs/backends/triton.md.
 
 On the CPU the kernels run only through triton's interpreter, a debugging and testing tool: with
 ``TRITON_INTERPRET=1`` in the environment when this plugin registers, the backend also accepts CPU
@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 import logprob_registry as lr
+from logprob_registry.dtypes import FLOAT_DTYPES
 
 PRIORITY = 30
 INTERPRETER_PRIORITY = -10  # below naive (0): the interpreter is never an automatic choice
-MIN_CAPABILITY = (7, 0)
+# Versions tested: torch 2.13 (CPU, interpreter); triton 3.6 and 3.9 (interpreter, and compiled for
+# sm_90 and gfx942 without a GPU). docs/hardware.md says what has run where.
+TORCH_SPEC = ">=2.13"
+TRITON_REQUIREMENT = "triton>=3.6"
 
 
 def interpreter_requested() -> bool:
@@ -33,9 +35,9 @@ def interpreter_requested() -> bool:
 
 
 def _kernels():
-    from . import _triton_kernels
+    from . import _kernels
 
-    return _triton_kernels
+    return _kernels
 
 
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
@@ -50,15 +52,9 @@ def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_b
     return _kernels().logprobs_and_entropy(logits, labels, temperature, ignore_index, inplace_backward)
 
 
-def available(env) -> "str | None":
+def available(env, device_type: str) -> "str | None":
     """CUDA devices too old for triton are refused; ROCm is left to triton's own support."""
-    capability = env.cuda_capability
-    if env.has_device("cuda") and not env.is_rocm and capability is not None and tuple(capability) < MIN_CAPABILITY:
-        return (
-            f"needs CUDA compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer, "
-            f"found {capability[0]}.{capability[1]}"
-        )
-    return None
+    return env.triton_capability_problem() if device_type == "cuda" else None
 
 
 def make_backend(interpret: bool) -> lr.Backend:
@@ -76,13 +72,10 @@ def make_backend(interpret: bool) -> lr.Backend:
             "logprobs_and_entropy": logprobs_and_entropy,
         },
         devices={"cuda", "cpu"} if interpret else {"cuda"},
-        dtypes={torch.float16, torch.bfloat16, torch.float32, torch.float64},
+        dtypes=set(FLOAT_DTYPES),
         priority=INTERPRETER_PRIORITY if interpret else PRIORITY,
-        # Versions tested: torch 2.13 (CPU, interpreter); triton 3.6 and 3.9 (interpreter, and compiled
-        # for sm_90 and gfx942 without a GPU). See README "Hardware".
-        torch=">=2.13",
-        triton=">=3.6",
-        requires=("triton",),
+        torch=TORCH_SPEC,
+        requires=(TRITON_REQUIREMENT,),
         autograd=True,
         available=available,
         inplace_backward=True,

@@ -1,0 +1,58 @@
+"""``logprob-registry check``: the conformance suite against registered backends, one table
+(:mod:`logprob_registry.testing.runner` does the work).
+
+Exit status: 1 when a backend fails or errors, when a backend named with ``--backend`` cannot run
+on the device, or when nothing at all could be checked there (a CI job that lost its GPU must not
+stay green); 2 for a usage error; 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", action="append", default=[], metavar="NAME",
+                        help="backend to check (repeat for several); default: every registered backend")
+    parser.add_argument("--device", default=None, metavar="TYPE",
+                        help="device type to run on, such as cpu, cuda or npu (default: the machine's main device)")
+    parser.add_argument("-k", dest="keyword", default=None, metavar="EXPRESSION",
+                        help="only the suite's tests matching this pytest -k expression")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print pytest's report for each backend")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..registry import NoEligibleBackendError, get_registry
+    from ..report import table
+    from ..testing.runner import check
+
+    registry = get_registry()
+    device = (args.device or registry.environment().main_device).split(":")[0]
+    try:
+        backends = [registry.get(n) for n in args.backend] if args.backend else registry.backends()
+    except NoEligibleBackendError as exc:
+        print(f"logprob-registry check: {exc}", file=sys.stderr)
+        return 2
+    results = check(backends, device, args.keyword, lambda text: print(text, file=sys.stderr, flush=True))
+    for r in results:
+        if args.verbose and r.output:
+            print(r.output)
+    rows = [(r.backend, device, *(("-",) * 4 if r.verdict.startswith("not eligible") else
+                                   (str(r.passed), str(r.failed), str(r.skipped), f"{r.seconds:.1f}")), r.verdict)
+            for r in results]
+    print(table(("backend", "device", "passed", "failed", "skipped", "seconds", "verdict"), rows))
+    for r in results:
+        for failure in r.failures:
+            print(f"{r.backend}: FAILED {failure}")
+        for reason, count in sorted(r.skips.items(), key=lambda kv: -kv[1]):
+            print(f"{r.backend}: skipped {count}: {reason}")
+        if r.verdict.startswith("error") and not args.verbose:
+            print(f"{r.backend}: {r.output.strip()[-2000:]}")
+    explicit = set(args.backend)
+    bad = [r for r in results if not r.ok and (not r.verdict.startswith("not eligible") or r.backend in explicit)]
+    if not any(r.passed for r in results):
+        print(f"logprob-registry check: nothing was checked on {device}: no backend can run there "
+              "(see the verdicts above)", file=sys.stderr)
+        return 1
+    return 1 if bad else 0

@@ -1,0 +1,130 @@
+"""Configuration from environment variables: declared once, parsed by one parser per kind, checked
+before any dispatch.
+
+A variable is read when it is first needed and parsed again only when its text changes. A bad
+value never reaches a kernel: :func:`check` runs in every public call before the backend is
+chosen and raises :class:`ConfigError` naming the variable, so a typo is the caller's error, never
+a backend failure that the registry would answer by falling back. Plugins declare their own
+variables with :func:`declare`; ``logprob-registry info`` lists every declared variable and its
+value.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+_SIZE = re.compile(r"(\d+)\s*([a-zA-Z]*)")
+
+
+class ConfigError(ValueError):
+    """An environment variable of logprob-registry holds a value it cannot use."""
+
+
+def parse_bytes(text: str) -> int:
+    """A positive size in bytes: ``4194304``, ``4MiB``, ``4M``, ``512K``, ``1G`` (binary units;
+    ``KB``/``MB``/``GB`` mean the same). Raises ValueError otherwise."""
+    match = _SIZE.fullmatch(str(text).strip())
+    unit = _UNITS.get(match.group(2).lower()) if match else None
+    if unit is None or int(match.group(1)) <= 0:
+        raise ValueError("not a positive size in bytes; give a number with an optional unit, "
+                         "such as 4194304, 4MiB or 512K")
+    return int(match.group(1)) * unit
+
+
+def positive_bytes(value: object, what: str) -> int:
+    """``value`` as a positive int of bytes (an int, or a string :func:`parse_bytes` takes);
+    a ValueError naming ``what`` otherwise."""
+    if isinstance(value, str):
+        try:
+            return parse_bytes(value)
+        except ValueError as exc:
+            raise ValueError(f"{what}={value!r} is {exc}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{what} must be a positive number of bytes, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable: its name, how its text is parsed, its default, what it does."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+
+
+_declared: Dict[str, Variable] = {}
+_parsed: Dict[str, Tuple[str, Any, Optional[str]]] = {}  # name -> (text, value, error)
+_lock = threading.Lock()
+
+
+def declare(variable: Variable) -> Variable:
+    """Declare a variable (a plugin declares its own at import); redeclaring a name replaces it."""
+    with _lock:
+        _declared[variable.name] = variable
+        _parsed.pop(variable.name, None)
+    return variable
+
+
+def declared() -> List[Variable]:
+    return sorted(_declared.values(), key=lambda v: v.name)
+
+
+def _read(variable: Variable) -> Tuple[Any, Optional[str]]:
+    text = os.environ.get(variable.name, "").strip()
+    cached = _parsed.get(variable.name)
+    if cached is not None and cached[0] == text:
+        return cached[1], cached[2]
+    if not text:
+        value, error = variable.default, None
+    else:
+        try:
+            value, error = variable.parse(text), None
+        except ValueError as exc:
+            value, error = variable.default, f"{variable.name}={text!r} is {exc}"
+    _parsed[variable.name] = (text, value, error)
+    return value, error
+
+
+def get(name: str) -> Any:
+    """The parsed value of declared variable ``name`` (its default when unset); ConfigError when
+    its text cannot be parsed."""
+    value, error = _read(_declared[name])
+    if error:
+        raise ConfigError(error)
+    return value
+
+
+def problems() -> List[str]:
+    """One sentence for each declared variable whose value cannot be used."""
+    return [error for error in (_read(v)[1] for v in declared()) if error]
+
+
+def check() -> None:
+    """Raise ConfigError naming every unusable variable (cheap when nothing changed)."""
+    errors = problems()
+    if errors:
+        raise ConfigError("; ".join(errors) + ". Fix or unset the variable.")
+
+
+def describe() -> List[Tuple[str, str, str]]:
+    """``(name, value in force or "unset", what it does)`` for every declared variable."""
+    rows = []
+    for v in declared():
+        text = os.environ.get(v.name, "").strip()
+        _, error = _read(v)
+        shown = "unset" if not text else (f"{text} (INVALID)" if error else text)
+        rows.append((v.name, shown, v.doc))
+    return rows
+
+
+BACKEND = declare(Variable(
+    "LOGPROB_REGISTRY_BACKEND", str, "",
+    "force this backend process-wide (explicit choice: never a silent fallback)"))

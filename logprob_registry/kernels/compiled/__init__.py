@@ -1,0 +1,115 @@
+"""``compiled``: the log-softmax statistics fused by ``torch.compile`` (inductor), forward and backward.
+
+The forward kernel reads each row of the logits where it lies (any strides and float dtype) and
+returns a few numbers per row; the backward kernel writes the gradient in one pass, out of place
+or over the logits (``inplace_backward=True``). Nothing of size N x V is allocated. One compile
+per kind of call and process covers every batch size, sequence length, vocabulary and
+temperature. How it works, what it costs the first time, and its measured numbers:
+docs/backends/compiled.md.
+
+Modules: :mod:`._kernels` (the kernels and their compilation), :mod:`._ops` (layout, forward,
+autograd).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from functools import lru_cache
+from typing import Optional
+
+import logprob_registry as lr
+from logprob_registry.dtypes import FLOAT_DTYPES
+
+from . import _kernels, _ops
+from ._kernels import INDUCTOR_OPTIONS, KERNELS, RECOMPILE_LIMIT, TORCH_SPEC, CompileError, compile_counts
+
+__all__ = ["INDUCTOR_OPTIONS", "KERNELS", "RECOMPILE_LIMIT", "TORCH_SPEC", "CompileError", "available",
+           "compile_counts", "entropy", "logprobs", "logprobs_and_entropy", "reset"]
+
+
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
+    return _ops.apply(logits, labels, temperature, ignore_index, True, False, inplace_backward)
+
+
+def entropy(logits, *, temperature):
+    return _ops.apply(logits, None, temperature, None, False, True, False)
+
+
+def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward):
+    return _ops.apply(logits, labels, temperature, ignore_index, True, True, inplace_backward)
+
+
+def reset() -> None:
+    """Forget every compiled kernel and warm-up of this backend (tests use it to compile afresh)."""
+    _kernels.reset()
+    _ops.reset()
+
+
+# --------------------------------------------------------------------------- eligibility
+def _compiler_candidates() -> tuple:
+    """The C++ compilers inductor would try, in its order, without importing inductor."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:  # already imported: honour what the process configured
+        cxx = config.cpp.cxx
+        found = cxx if isinstance(cxx, (list, tuple)) else (cxx,)
+    elif sys.platform == "win32":
+        found = (os.environ.get("CXX", "cl"),)
+    else:
+        found = (os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++"),)
+    return tuple(c for c in found if c)  # None stands for a conda download that is off by default
+
+
+@lru_cache(maxsize=None)
+def _found(candidates: tuple) -> bool:
+    return any(shutil.which(c) for c in candidates)
+
+
+def _disabled() -> bool:
+    """Whether torch.compile is turned off in this process. Imports nothing: torch._dynamo is
+    consulted only when something else already imported it."""
+    if os.environ.get("TORCHDYNAMO_DISABLE", "") not in ("", "0"):
+        return True
+    dynamo_config = sys.modules.get("torch._dynamo.config")
+    return bool(dynamo_config is not None and getattr(dynamo_config, "disable", False))
+
+
+def available(env, device: str) -> Optional[str]:
+    """Why torch.compile cannot compile for ``device`` tensors in this process, or None. (A Python
+    that torch.compile does not support shows up at the first call, as a run-time fallback.)"""
+    if _disabled():
+        return "torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1 or torch._dynamo.config.disable)"
+    if device == "cpu":
+        candidates = _compiler_candidates()
+        if _found(candidates):
+            return None
+        names = " or ".join(repr(c) for c in candidates) or "none configured"
+        return (f"torch.compile on CPU needs a C++ compiler and none was found ({names}); "
+                "install g++ or set CXX to a compiler")
+    if device == "cuda":
+        problem = env.requirement_problem("triton")
+        if problem:
+            return f"torch.compile on CUDA needs triton, and {problem}"
+        problem = env.triton_capability_problem()
+        return f"torch.compile on CUDA {problem}" if problem else None
+    return f"torch.compile is not enabled for {device} tensors in this backend"
+
+
+@lr.hookimpl
+def register_backends(register):
+    register(lr.Backend(
+        name="compiled",
+        ops={"logprobs": logprobs, "entropy": entropy, "logprobs_and_entropy": logprobs_and_entropy},
+        devices={"cpu", "cuda"},
+        dtypes=set(FLOAT_DTYPES),
+        priority=20,
+        torch=TORCH_SPEC,
+        autograd=True,
+        available=available,
+        inplace_backward=True,
+        batch_invariant=True,
+        deterministic=True,
+        description="torch.compile (inductor) of the row statistics and of the one-pass gradient; "
+                    "no N x V temporary; compiles once per kind of call and process",
+    ))

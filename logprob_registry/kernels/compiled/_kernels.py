@@ -1,0 +1,137 @@
+"""The kernels of the ``compiled`` backend, and their compilation by ``torch.compile`` (inductor).
+
+Each kernel is a plain function of a 2-D (or 3-D) block of logits; :func:`_run` compiles it on
+first use, with dynamic shapes, and turns any failure to compile or run into a
+:class:`CompileError`, which the registry answers by falling back.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from typing import Callable, Dict, Optional
+
+import torch
+
+TORCH_SPEC = ">=2.6"
+# split_reductions off: a row is reduced inside one program, so that its result never depends on
+# the batch around it, on CUDA as on CPU. cpp.dynamic_threads on: a CPU kernel always has a parallel
+# loop and lets OpenMP size it at run time; otherwise a kernel first compiled for a few rows (in this
+# process or, through inductor's on-disk cache, in another) stays single-threaded for any size.
+INDUCTOR_OPTIONS = {"split_reductions": False, "cpp.dynamic_threads": True}
+# Compiles allowed per kernel (dtypes x layout classes x devices) before it counts as a storm.
+RECOMPILE_LIMIT = 64
+
+
+# --------------------------------------------------------------------------- kernels (compiled)
+# A row is scaled as a = (x - max(x)) * k with k = log2(e) / t, and exponentiated with exp2, which
+# inductor's CPU code computes faster than exp (docs/backends/compiled.md has the numbers). max(x / t) is
+# max(x) / t, so the max pass reads the logits unscaled; subtracting the max before scaling keeps
+# a row of large logits (1e4) accurate, and a log-probability (x[label] - max) / t - log(sum) never
+# subtracts two large numbers.
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def _fwd_logprobs(x, idx, k: float):
+    """Row max of x, sum of exp2(a), and the label's logit."""
+    xf = _upcast(x)
+    m = xf.amax(-1, keepdim=True)
+    s = torch.exp2((xf - m) * k).sum(-1, keepdim=True)
+    return m, s, x.gather(-1, idx)
+
+
+def _fwd_entropy(x, idx, k: float):
+    """As :func:`_fwd_logprobs`, plus the sum of -a * exp2(a) (0 where x is -inf)."""
+    xf = _upcast(x)
+    m = xf.amax(-1, keepdim=True)
+    a = (xf - m) * k
+    e = torch.exp2(a)
+    s = e.sum(-1, keepdim=True)
+    u = torch.where(torch.isneginf(xf), 0.0, -e * a).sum(-1, keepdim=True)
+    return m, s, u, x.gather(-1, idx)
+
+
+def _grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float):
+    """d/dx of g_lp * logp[idx] + g_ent * entropy, in x's dtype (g_lp is 0 where ignored). The terms
+    of an op's missing output are skipped (``g_lp`` or ``g_ent`` None): lean for ``logprobs``."""
+    xf = _upcast(x)
+    log2p = (xf - m) * k - log2_s
+    p = torch.exp2(log2p)
+    grad = 0.0
+    if g_lp is not None:
+        hit = torch.arange(x.shape[-1], device=x.device) == idx
+        grad = torch.where(hit, g_lp, 0.0) - g_lp * p
+    if g_ent is not None:
+        grad = grad - g_ent * torch.where(torch.isneginf(xf), 0.0, p * (log2p * LN2 + h))
+    return (grad * inv_t).to(x.dtype)
+
+
+def _bwd(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float):
+    return _grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t)
+
+
+def _bwd_inplace(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float):
+    x.copy_(_grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t))
+
+
+KERNELS: Dict[str, Callable] = {
+    f.__name__.lstrip("_"): f for f in (_fwd_logprobs, _fwd_entropy, _bwd, _bwd_inplace)
+}
+_compiled: Dict[str, Callable] = {}
+_lock = threading.RLock()
+
+
+def _kernel(name: str) -> Callable:
+    """The compiled form of kernel ``name``, created on first use (compiling happens at its call)."""
+    with _lock:
+        if name not in _compiled:
+            kwargs = dict(dynamic=True, fullgraph=True, options=dict(INDUCTOR_OPTIONS))
+            if "recompile_limit" in inspect.signature(torch.compile).parameters:
+                kwargs["recompile_limit"] = RECOMPILE_LIMIT
+            _compiled[name] = torch.compile(KERNELS[name], **kwargs)
+        return _compiled[name]
+
+
+def compile_counts() -> Dict[str, Optional[int]]:
+    """How many compiled variants each kernel holds in this process (None where torch can't say)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:  # a torch without the debug hook
+        return {name: None for name in KERNELS}
+    return {name: len(_debug_get_cache_entry_list(f.__code__)) for name, f in KERNELS.items()}
+
+
+def reset() -> None:
+    """Forget every compiled kernel (tests use it to compile afresh)."""
+    with _lock:
+        _compiled.clear()
+        for f in KERNELS.values():
+            torch._dynamo.reset_code(f.__code__)
+
+
+class CompileError(RuntimeError):
+    """torch.compile failed for one of this backend's kernels."""
+
+
+def _run(name: str, *args):
+    """Run compiled kernel ``name``; a failure to compile or run becomes a :class:`CompileError`."""
+    try:
+        with torch.no_grad():  # one grad mode for every call: the kernels specialise on it
+            return _kernel(name)(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        cause = exc
+        while getattr(cause, "inner_exception", None) is not None:  # what the compiler backend raised
+            cause = cause.inner_exception
+        first = (str(cause).strip().splitlines() or [""])[0]
+        x = args[0]
+        raise CompileError(
+            f"torch.compile of its {name} kernel failed for {x.device.type} "
+            f"{str(x.dtype).replace('torch.', '')} logits ({type(cause).__name__}: {first})"
+        ) from exc

@@ -1,0 +1,100 @@
+"""Whether each backend may run a kind of call, and in which order: a pure function of the
+backends, the key, the environment and the backends marked broken. ``explain`` and selection both
+read its answer, so the table always says what a call does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection, Iterable, List, Mapping, Optional, Tuple
+
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+from ..backend import Backend
+from ..dtypes import dtype_name
+from ..environment import Environment, device_label
+from .key import Key
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One backend's verdict for one key."""
+
+    name: str
+    priority: int
+    origin: str
+    reason: Optional[str] = None  # why it cannot run the key; None when it can
+    broken: Optional[str] = None  # the run-time error that marked it broken for this key
+    chosen: bool = False
+    transient: bool = False  # its availability check raised: ask again next time, never cache
+
+    @property
+    def eligible(self) -> bool:
+        return self.reason is None and self.broken is None
+
+    @property
+    def status(self) -> str:
+        if self.chosen:
+            return "chosen"
+        if self.broken is not None:
+            return "broken"
+        return "eligible" if self.reason is None else "no"
+
+
+def order(backends: Iterable[Backend]) -> List[Backend]:
+    """Highest priority first, ties broken by name: never by registration order."""
+    return sorted(backends, key=lambda b: (-b.priority, b.name))
+
+
+def why_not(backend: Backend, key: Key, env: Environment, untested: Collection[str] = ()) -> Tuple[Optional[str], bool]:
+    """``(None, False)`` if ``backend`` can run ``key`` in ``env``; otherwise the first reason it
+    cannot, and whether that reason is transient (its availability check raised).
+
+    Cheap checks come first. Backends named in ``untested`` may run outside the versions they
+    declare (``LOGPROB_REGISTRY_UNTESTED_VERSIONS``); what they require must still be installed.
+    """
+    if key.op not in backend.ops:
+        return f"does not implement {key.op}", False
+    if key.device not in backend.devices:
+        return f"runs on {', '.join(sorted(backend.devices))}, not {key.device}", False
+    if not env.has_device(key.device):
+        return f"no {device_label(key.device)} device", False
+    if key.dtype not in backend.dtypes:
+        accepted = ", ".join(sorted(dtype_name(d) for d in backend.dtypes))
+        return f"does not accept {dtype_name(key.dtype)} input (accepts {accepted})", False
+    if key.requires_grad and not backend.autograd:
+        return "has no backward, and gradients are needed", False
+    missing = sorted(key.features - backend.features)
+    if missing:
+        return f"does not support {', '.join(missing)}", False
+    waived = backend.name in untested
+    if backend.torch and not waived and not SpecifierSet(backend.torch).contains(env.torch_version, prereleases=True):
+        return f"needs torch{backend.torch}, found {env.torch_version}", False
+    for requirement in backend.requires:
+        problem = env.requirement_problem(Requirement(requirement).name if waived else requirement)
+        if problem:
+            return problem, False
+    if backend.available is not None:
+        try:
+            problem = backend.available(env, key.device)
+        except Exception as exc:
+            return f"its availability check raised {type(exc).__name__}: {exc}", True
+        if problem:
+            return str(problem), False
+    return None, False
+
+
+def rank(backends: Iterable[Backend], key: Key, env: Environment, broken: Optional[Mapping[str, str]] = None,
+         untested: Collection[str] = ()) -> List[Verdict]:
+    """Every backend's verdict for ``key``, best first; the first eligible one is the automatic
+    choice (``chosen`` is left for the caller to mark)."""
+    verdicts = []
+    for b in order(backends):
+        reason, transient = why_not(b, key, env, untested)
+        verdicts.append(Verdict(b.name, b.priority, b.origin, reason, (broken or {}).get(b.name), False, transient))
+    return verdicts
+
+
+def automatic(verdicts: List[Verdict]) -> Optional[str]:
+    """The name of the automatic choice: the first eligible verdict."""
+    return next((v.name for v in verdicts if v.eligible), None)
