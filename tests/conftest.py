@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config, items):
         name = params.get("conformance_backend")
         reason = None
         if cls is not None and issubclass(cls, BackendConformance) and name:
-            reason = not_declared(get_registry().get(name), item.originalname, params)
+            reason = not_declared(get_registry().get(name), item.originalname, params, cls)
         if reason is None:
             keep.append(item)
         else:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from logprob_registry.testing.sections.hidden import VARIANTS as HIDDEN_VARIANTS
+
 pytest_plugins = ["pytester"]
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "plugins" / "template"
@@ -28,6 +30,9 @@ import logprob_registry_template as template
 def good(logits, labels, temperature, ignore_index):
     return ref.logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index,
                         dtype=ref.result_dtype(logits.dtype))
+
+
+OPS = None  # a case that registers other ops than logprobs sets it
 '''
 
 FOOTER = '''
@@ -35,7 +40,7 @@ FOOTER = '''
 class Plugin:
     @lr.hookimpl
     def register_backends(self, register):
-        register(lr.Backend(name={name!r}, ops={{"logprobs": logprobs}}, devices={{"cpu"}},
+        register(lr.Backend(name={name!r}, ops=OPS or {{"logprobs": logprobs}}, devices={{"cpu"}},
                             batch_invariant=True, {extra}))
 
 
@@ -102,7 +107,8 @@ class LogProbs(torch.autograd.Function):
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
     return LogProbs.apply(logits, labels, temperature, ignore_index)
 ''', "", "test_gradients or test_dtypes",
-        {f"test_gradients[logprobs-temperature-{d}]" for d in ("float32", "bfloat16", "float16", "float64")}),
+        {f"test_gradients[logprobs-temperature-{d}]" for d in ("float32", "bfloat16", "float16", "float64")}
+        | {"test_gradients_of_shapes[logprobs-1d]", "test_gradients_of_shapes[logprobs-vocab-7]"}),
     "bad-mutates-input": (
         '''
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
@@ -110,6 +116,33 @@ def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
         logits.sub_(logits.amax(-1, keepdim=True))  # "stabilises" the caller's logits in place
     return good(logits, labels, temperature, ignore_index)
 ''', "", "test_inputs_unmodified or test_dtypes[logprobs-float32]", {"test_inputs_unmodified[logprobs]"}),
+    "bad-hidden-low-precision-logits": (
+        '''
+def hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy):
+    # forms the logits in the inputs' own dtype (bf16 or fp16 rounding), then an fp32 softmax
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    kw = dict(temperature=temperature, ignore_index=ignore_index, dtype=ref.result_dtype(hidden.dtype))
+    return ref.logprobs_and_entropy(logits, labels, **kw) if return_entropy else ref.logprobs(logits, labels, **kw)
+
+
+OPS = {"logprobs_from_hidden": hidden}
+''', "", "test_hidden_values",
+        {f"test_hidden_values[{v}-{d}]" for v in HIDDEN_VARIANTS for d in ("bfloat16", "float16")}),
+    "bad-hidden-entropy-gradient": (
+        '''
+def hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy):
+    dtype = ref.result_dtype(hidden.dtype)
+    logits = ref.hidden_logits(hidden, weight, bias, dtype)
+    logprobs = ref.logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype)
+    if not return_entropy:
+        return logprobs
+    return logprobs, ref.entropy(logits.detach(), temperature=temperature, dtype=dtype)  # no gradient through it
+
+
+OPS = {"logprobs_from_hidden": hidden}
+''', "", "test_hidden_gradients and float32 or test_hidden_gradient_of_one_output",
+        {"test_hidden_gradients[entropy-float32]", "test_hidden_gradients[all-options-float32]",
+         "test_hidden_gradient_of_one_output[entropy]"}),
 }
 
 # Correct backends, on the union of the selections above: everything passes.

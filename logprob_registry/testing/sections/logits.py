@@ -1,0 +1,539 @@
+"""The conformance section of the ops over logits: ``logprobs``, ``entropy`` and
+``logprobs_and_entropy`` (the ops of the op table whose dtype input is the logits).
+
+Every test calls the backend through the public function with ``backend=NAME`` and compares with
+the float64 reference within the tolerance of :mod:`logprob_registry.testing.numerics`; each
+declares with :func:`~logprob_registry.testing.sections.covers` the ops it exercises and the
+capability whose promise it checks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import pytest
+import torch
+
+from ..harness import DTYPES, LABEL_OPS, LOGITS_OPS, Harness
+from ..memory import describe
+from ..numerics import EPS32, assert_close, gradient_rounding, tolerances
+from . import covers
+from ._common import MEMORY_LIMIT, peak, require_no_copy, upstream, weighted_sum
+
+SHAPES = {
+    "1d": (1000,),
+    "2d": (6, 1000),
+    "3d": (2, 5, 1000),
+    "4d": (2, 2, 3, 1000),
+    "empty": (0, 1000),
+    "empty-3d": (2, 0, 1000),
+    "vocab-1": (4, 1),
+    "vocab-7": (5, 7),
+    "vocab-50257": (3, 50257),
+}
+# The shapes whose gradients test_gradients_of_shapes checks (test_gradients covers the ordinary one).
+GRADIENT_SHAPES = ("1d", "empty", "empty-3d", "vocab-1", "vocab-7")
+LARGE_VOCAB = 262144
+STRIDED = ("shifted", "transposed", "every-other-row", "broadcast")
+IGNORE = {"below-range": -100, "above-range": None, "in-range": 0}  # None: V + 5
+# The no-copy checks: a (2, 257, 32768) float32 tensor is 64 MiB, its [:, :-1] slice is strided.
+MEMORY_SHAPE = (2, 257, 32768)
+
+
+def _accepted(lp: Harness, dtypes: Sequence[torch.dtype]) -> list:
+    """Those of ``dtypes`` the backend accepts (a test over several runs each of them)."""
+    return [d for d in dtypes if d in lp.backend.dtypes]
+
+
+class LogitsSection:
+    """Tests of the ops over logits (a mixin of :class:`~logprob_registry.testing.BackendConformance`,
+    which provides the ``lp`` fixture)."""
+
+    # ------------------------------------------------------------------ shapes
+    @covers(LOGITS_OPS)
+    @pytest.mark.parametrize("shape", list(SHAPES))
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_shapes(self, lp: Harness, op: str, shape: str) -> None:
+        """1-D logits with a 0-d label, 2-D to 4-D, empty leading dims, V of 1, odd V."""
+        lp.require(op)
+        dims = SHAPES[shape]
+        x = lp.logits(dims)
+        y = lp.labels(dims[:-1], dims[-1])
+        got, want = lp.call(op, x, y), lp.reference(op, x, y)
+        for i, (g, w, tol) in enumerate(zip(got, want, tolerances(op, x))):
+            assert g.dtype == torch.float32, f"{op} output {i} is {g.dtype}, expected float32"
+            assert g.device.type == lp.device.type, f"{op} output {i} is on {g.device}, expected {lp.device}"
+            assert_close(g, w, tol, f"{op} output {i}, shape {dims}")
+
+    @covers(LOGITS_OPS)
+    @pytest.mark.parametrize("dtype", list(DTYPES))
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_large_vocab(self, lp: Harness, op: str, dtype: str) -> None:
+        """V = 262144 (a few rows, so that the CPU run stays quick)."""
+        lp.require(op, DTYPES[dtype])
+        x = lp.logits((3, LARGE_VOCAB), DTYPES[dtype], scale=4.0)
+        y = lp.labels((3,), LARGE_VOCAB)
+        for i, (g, w, tol) in enumerate(zip(lp.call(op, x, y), lp.reference(op, x, y), tolerances(op, x))):
+            assert_close(g, w, tol, f"{op} output {i}, V={LARGE_VOCAB}, {dtype}")
+
+    # ------------------------------------------------------------------ dtypes
+    @covers(LOGITS_OPS)
+    @pytest.mark.parametrize("dtype", list(DTYPES))
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_dtypes(self, lp: Harness, op: str, dtype: str) -> None:
+        """Each input dtype against float64, within fp32 rounding; float32 out (float64 for float64)."""
+        lp.require(op, DTYPES[dtype])
+        x = lp.logits((3, 5, 1000), DTYPES[dtype], scale=4.0)
+        y = lp.labels((3, 5), 1000)
+        expected_dtype = lp.result_dtype(DTYPES[dtype])
+        for i, (g, w, tol) in enumerate(zip(lp.call(op, x, y), lp.reference(op, x, y), tolerances(op, x))):
+            assert g.dtype == expected_dtype, f"{op} output {i} of {dtype} input is {g.dtype}, expected {expected_dtype}"
+            assert_close(g, w, tol, f"{op} output {i}, {dtype} input")
+
+    @covers(LABEL_OPS)
+    @pytest.mark.parametrize("label_dtype", ["int32", "int64"])
+    @pytest.mark.parametrize("op", LABEL_OPS)
+    def test_label_dtypes(self, lp: Harness, op: str, label_dtype: str) -> None:
+        lp.require(op)
+        x = lp.logits((4, 6, 777))
+        y = lp.labels((4, 6), 777, dtype=getattr(torch, label_dtype))
+        for i, (g, w, tol) in enumerate(zip(lp.call(op, x, y), lp.reference(op, x, y), tolerances(op, x))):
+            assert_close(g, w, tol, f"{op} output {i}, {label_dtype} labels")
+
+    # ------------------------------------------------------------------ layout
+    @covers(LOGITS_OPS)
+    @pytest.mark.parametrize("layout", STRIDED)
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_strided_leading_dims(self, lp: Harness, op: str, layout: str) -> None:
+        """Non-contiguous leading dims: logits[:, :-1] with labels[:, 1:], transposed, every other
+        row, and a broadcast (stride 0) batch."""
+        lp.require(op)
+        full = lp.logits((3, 9, 640))
+        labels = lp.labels((3, 9), 640)
+        if layout == "shifted":
+            x, y = full[:, :-1], labels[:, 1:]
+        elif layout == "transposed":
+            x, y = full.transpose(0, 1), labels.transpose(0, 1)
+        elif layout == "every-other-row":
+            x, y = full[:, ::2], labels[:, ::2]
+        else:
+            x, y = full[:1].expand(4, 9, 640), labels[:1].expand(4, 9)
+        assert not x.is_contiguous()
+        for i, (g, w, tol) in enumerate(zip(lp.call(op, x, y), lp.reference(op, x, y), tolerances(op, x))):
+            assert_close(g, w, tol, f"{op} output {i}, {layout} logits of strides {x.stride()}")
+
+    @covers(LOGITS_OPS, capability="copies_logits", declared=False)
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_no_copy_of_strided_logits(self, lp: Harness, op: str) -> None:
+        """logits[:, :-1] (32 MiB in bf16, 64 MiB in fp32, strided) is read where it lies: the
+        call's extra peak memory stays below half the logits' size, for bf16 without and fp32 with a
+        temperature (one dtype for both where the backend accepts only one)."""
+        lp.require(op)
+        require_no_copy(lp)
+        accepted = [d for d in (torch.bfloat16, torch.float32) if d in lp.backend.dtypes]
+        if not accepted:
+            pytest.skip(f"{lp.name} accepts neither bfloat16 nor float32")
+        for dtype, temperature in ((accepted[0], 1.0), (accepted[-1], 0.7)):
+            full = lp.logits(MEMORY_SHAPE, dtype, seed=3)
+            labels = lp.labels(MEMORY_SHAPE[:-1], MEMORY_SHAPE[-1])
+            x, y = full[:, :-1], labels[:, 1:]
+            size = x.numel() * x.element_size()
+            with torch.no_grad():
+                lp.call(op, x, y, temperature=temperature)  # warm-up: lazy init, compilation
+                out, extra = peak(lambda: lp.call(op, x, y, temperature=temperature), lp,
+                                        MEMORY_LIMIT * size)
+            del out, full, x
+            assert extra < MEMORY_LIMIT * size, (
+                f"{op} on strided {dtype} logits {tuple(MEMORY_SHAPE[:1]) + (MEMORY_SHAPE[1] - 1,) + MEMORY_SHAPE[2:]} "
+                f"(T={temperature}) allocated {describe(extra)} at its peak, {extra / size:.2f}x the logits "
+                f"({describe(size)}): it copies the logits. Read them through their strides, a block of rows at a time.")
+
+    @covers(LOGITS_OPS, capability="copies_logits", declared=False, grad=True)
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_forward_keeps_no_copy_for_backward(self, lp: Harness, op: str) -> None:
+        """What the forward pass keeps for backward (strided 64 MiB logits needing gradients)
+        stays below half the logits' size: backward keeps no N x V tensor besides the logits."""
+        lp.require(op, torch.float32, grad=True)
+        require_no_copy(lp)
+        base = lp.logits(MEMORY_SHAPE, seed=3).requires_grad_(True)
+        labels = lp.labels(MEMORY_SHAPE[:-1], MEMORY_SHAPE[-1])
+        x, y = base[:, :-1], labels[:, 1:]
+        size = x.numel() * x.element_size()
+        warm = lp.call(op, x, y)
+        sum(o.sum() for o in warm).backward()
+        del warm
+        base.grad = None
+        out, kept = peak(lambda: lp.call(op, x, y), lp, MEMORY_LIMIT * size, retained=True)
+        del out
+        assert kept < MEMORY_LIMIT * size, (
+            f"the {op} forward pass keeps {describe(kept)} alive for backward, {kept / size:.2f}x the "
+            f"strided logits ({describe(size)}): keep only per-row statistics (max, log-sum-exp) and "
+            "recompute in backward.")
+
+    # ------------------------------------------------------ temperature, ignore
+    @covers(LOGITS_OPS)
+    @pytest.mark.parametrize("temperature", [0.5, 2.0, 0.05])
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_temperature(self, lp: Harness, op: str, temperature: float) -> None:
+        lp.require(op)
+        x = lp.logits((4, 5, 900))
+        y = lp.labels((4, 5), 900)
+        got = lp.call(op, x, y, temperature=temperature)
+        for i, (g, w, tol) in enumerate(zip(got, lp.reference(op, x, y, temperature=temperature), tolerances(op, x, temperature))):
+            assert_close(g, w, tol, f"{op} output {i} at temperature {temperature}")
+
+    @covers(LABEL_OPS)
+    @pytest.mark.parametrize("case", list(IGNORE))
+    @pytest.mark.parametrize("op", LABEL_OPS)
+    def test_ignore_index(self, lp: Harness, op: str, case: str) -> None:
+        """Ignored positions give exactly 0 and their label is never read as an index (it may lie
+        outside the vocabulary); the entropy there is computed as usual."""
+        lp.require(op)
+        vocab = 500
+        ignore = IGNORE[case] if IGNORE[case] is not None else vocab + 5
+        x = lp.logits((3, 8, vocab))
+        y = lp.labels((3, 8), vocab).clamp(min=1)
+        mask = torch.zeros(3, 8, dtype=torch.bool)
+        mask[0, :3] = mask[1, 5] = mask[2, :] = True
+        mask = mask.to(lp.device)
+        y = y.masked_fill(mask, ignore)
+        got = lp.call(op, x, y, ignore_index=ignore)
+        want = lp.reference(op, x, y, ignore_index=ignore)
+        assert torch.equal(got[0][mask].cpu(), torch.zeros(int(mask.sum()), dtype=got[0].dtype)), (
+            f"{op} gives {got[0][mask].tolist()} at positions whose label is ignore_index={ignore}, expected 0")
+        for i, (g, w, tol) in enumerate(zip(got, want, tolerances(op, x))):
+            assert_close(g, w, tol, f"{op} output {i} with ignore_index={ignore}")
+
+    # ------------------------------------------------------------------ values
+    @covers(LOGITS_OPS)
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_extreme_magnitudes(self, lp: Harness, op: str, dtype: str) -> None:
+        """Logits of +-1e4 next to ordinary ones: no overflow, no loss beyond fp32 rounding of 1e4."""
+        lp.require(op, DTYPES[dtype])
+        x = lp.logits((6, 300), torch.float64)
+        x[0, 7] = 1e4
+        x[1, :] -= 1e4
+        x[2, ::3] = -1e4
+        x[3, 5] = 1e4
+        x[3, 9] = -1e4
+        x[4, :] = 1e4
+        x[5, 11] = 9.99e3
+        y = lp.labels((6,), 300)
+        y[3] = 5
+        y[5] = 11
+        x = x.to(DTYPES[dtype])
+        for i, (g, w, tol) in enumerate(zip(lp.call(op, x, y), lp.reference(op, x, y), tolerances(op, x))):
+            assert_close(g, w, tol, f"{op} output {i}, {dtype} logits of magnitude 1e4")
+
+    @covers(LOGITS_OPS)
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_negative_infinity(self, lp: Harness, op: str) -> None:
+        """Masked vocabulary (-inf): a label on -inf gives -inf, entropy counts 0 * log 0 as 0."""
+        lp.require(op)
+        for dtype in (torch.float32, torch.bfloat16):
+            if dtype not in lp.backend.dtypes:
+                continue
+            x = lp.logits((4, 64), torch.float64)
+            y = lp.labels((4,), 64)
+            x[0, ::3] = -math.inf
+            y[0] = 1
+            x[1, 10:20] = -math.inf
+            y[1] = 12
+            x[2, :] = -math.inf
+            x[2, 5] = 0.5
+            y[2] = 5
+            x[3, :] = -math.inf
+            x[3, 2] = 1.0
+            x[3, 40] = 3.0
+            y[3] = 40
+            x = x.to(dtype)
+            got, want = lp.call(op, x, y), lp.reference(op, x, y)
+            for i, (g, w, tol) in enumerate(zip(got, want, tolerances(op, x))):
+                assert_close(g, w, tol, f"{op} output {i} with -inf logits ({dtype})")
+            if op != "entropy":
+                assert got[0][1].item() == -math.inf, f"a label on a -inf logit gives {got[0][1].item()}, expected -inf"
+
+    @covers(LOGITS_OPS)
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_nan_propagates(self, lp: Harness, op: str) -> None:
+        """A NaN logit makes its own row NaN and no other."""
+        lp.require(op)
+        x = lp.logits((4, 100))
+        y = lp.labels((4,), 100)
+        y[0], y[1] = 3, 4
+        x[0, 50] = math.nan  # not the label
+        x[1, 4] = math.nan  # the label
+        got, want = lp.call(op, x, y), lp.reference(op, x, y)
+        for i, (g, w, tol) in enumerate(zip(got, want, tolerances(op, x[2:]))):
+            assert bool(torch.isnan(g[:2]).all()), f"{op} output {i}: rows with a NaN logit give {g[:2].tolist()}, expected NaN"
+            assert_close(g, w, tol, f"{op} output {i} with NaN in other rows")
+
+    # --------------------------------------------------------------- gradients
+    @covers(LOGITS_OPS, grad=True)
+    @pytest.mark.parametrize("dtype", list(DTYPES))
+    @pytest.mark.parametrize("case", ["plain", "temperature", "ignore-index", "negative-infinity"])
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_gradients(self, lp: Harness, op: str, case: str, dtype: str) -> None:
+        """Gradients of the logits against float64 autograd, with random upstream gradients on every
+        output (both outputs of logprobs_and_entropy); zero at ignored positions."""
+        lp.require(op, DTYPES[dtype], grad=True)
+        temperature = 0.6 if case == "temperature" else 1.0
+        ignore = -100 if case == "ignore-index" and op != "entropy" else None
+        x0 = lp.logits((3, 5, 300), DTYPES[dtype])
+        y = lp.labels((3, 5), 300)
+        mask = torch.zeros(3, 5, dtype=torch.bool, device=lp.device)
+        if ignore is not None:
+            mask[0, 1] = mask[2, :2] = True
+            y = y.masked_fill(mask, ignore)
+        if case == "negative-infinity":
+            x0[..., 250:] = -math.inf
+            y = y % 250
+        leaf = _compare_gradients(lp, op, x0, y, temperature, ignore, f"{op}, {case}, {dtype}", mask)
+        if case == "negative-infinity":
+            masked = leaf.grad[..., 250:]
+            assert bool((masked == 0).all()), (
+                f"{op}, {dtype}: the gradient at -inf logits (probability exactly 0) is "
+                f"{masked[masked != 0][:3].tolist()}, expected exactly 0")
+
+    @covers("logprobs_and_entropy", grad=True)
+    @pytest.mark.parametrize("output", ["logprobs", "entropy"])
+    def test_gradient_of_one_output(self, lp: Harness, output: str) -> None:
+        """Only one output of ``logprobs_and_entropy`` enters the loss (backward receives no
+        gradient for the other): the gradient is that output's alone."""
+        op = "logprobs_and_entropy"
+        lp.require(op, torch.float32, grad=True)
+        x0 = lp.logits((3, 5, 300))
+        y = lp.labels((3, 5), 300)
+        mask = torch.zeros(3, 5, dtype=torch.bool, device=lp.device)
+        mask[0, 1] = True
+        y = y.masked_fill(mask, -100)
+        used = ("logprobs", "entropy").index(output)
+        _compare_gradients(lp, op, x0, y, 0.8, -100, f"{op} with only its {output} in the loss", mask, used=used)
+
+    @covers(LOGITS_OPS, grad=True)
+    @pytest.mark.parametrize("shape", GRADIENT_SHAPES)
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_gradients_of_shapes(self, lp: Harness, op: str, shape: str) -> None:
+        """Gradients of 1-D logits with a 0-d label, of empty leading dims (an empty gradient: the
+        result is still connected to the logits, so that a training step's backward runs), of
+        V = 1 (a zero gradient) and of an odd V."""
+        lp.require(op, torch.float32, grad=True)
+        dims = SHAPES[shape]
+        x0 = lp.logits(dims)
+        y = lp.labels(dims[:-1], dims[-1])
+        mask = torch.zeros(dims[:-1], dtype=torch.bool, device=lp.device)
+        _compare_gradients(lp, op, x0, y, 0.9, None, f"{op}, {shape} logits {dims}", mask)
+
+    @covers(LABEL_OPS, capability="inplace_backward", grad=True)
+    @pytest.mark.parametrize("op", LABEL_OPS)
+    def test_inplace_backward(self, lp: Harness, op: str) -> None:
+        """``inplace_backward=True``: the gradient is right; a backend that declares
+        ``inplace_backward`` writes it into the logits' storage, any other honours the flag out of place."""
+        lp.require(op, torch.float32, grad=True)
+        base = lp.logits((3, 6, 400)).requires_grad_(True)
+        y = lp.labels((3, 6), 400)
+        y[1, 2] = -100
+        logits = base * 1.0  # a non-leaf, as the output of an lm_head would be
+        outs = lp.call(op, logits, y, temperature=0.8, ignore_index=-100, inplace_backward=True)
+        ups = [torch.randn(o.shape, generator=torch.Generator().manual_seed(5 + i), dtype=o.dtype).to(o.device)
+               for i, o in enumerate(outs)]
+        sum((o * u).sum() for o, u in zip(outs, ups)).backward()
+        ref_x = base.detach().cpu().double().requires_grad_(True)
+        refs = lp.reference(op, ref_x, y, temperature=0.8, ignore_index=-100)
+        sum((r * u.cpu().double()).sum() for r, u in zip(refs, ups)).backward()
+        atol = 4 * max(tolerances(op, base, 0.8)) * max(float(u.abs().max()) for u in ups) / 0.8
+        assert_close(base.grad, ref_x.grad, atol, f"{op} gradient with inplace_backward=True", rtol=4 * EPS32)
+        if lp.backend.inplace_backward:
+            assert_close(logits.detach(), ref_x.grad, atol,
+                         f"{op}: {lp.name} declares inplace_backward=True, so the logits' storage must hold "
+                         "their gradient after backward", rtol=4 * EPS32)
+
+    @covers(LABEL_OPS, capability="inplace_backward", grad=True)
+    @pytest.mark.parametrize("layout", ["view-of-non-leaf", "leaf-view"])
+    @pytest.mark.parametrize("op", LABEL_OPS)
+    def test_inplace_backward_strided(self, lp: Harness, op: str, layout: str) -> None:
+        """``inplace_backward=True`` on strided ``logits[:, :-1]``, a slice of an lm_head's output
+        (``view-of-non-leaf``) or a leaf that is a view of a larger tensor (``leaf-view``): the
+        gradient is right and the rows outside the view keep their values; a backend that declares
+        ``inplace_backward`` writes the gradient through the view's strides."""
+        lp.require(op, torch.float32, grad=True)
+        base = lp.logits((3, 8, 450))
+        y = lp.labels((3, 8), 450)[:, 1:]
+        kw = dict(temperature=0.8, ignore_index=-100)
+        if layout == "view-of-non-leaf":
+            storage = base.clone().requires_grad_(True) * 1.0
+            logits = storage[:, :-1]
+        else:
+            storage = base.clone()
+            logits = storage[:, :-1].detach().requires_grad_(True)  # shares storage's memory
+        assert not logits.is_contiguous()
+        outs = lp.call(op, logits, y, inplace_backward=True, **kw)
+        ups = upstream(outs, 5)
+        (grad,) = torch.autograd.grad(weighted_sum(outs, ups), logits)
+        ref_x = base[:, :-1].detach().cpu().double().requires_grad_(True)
+        weighted_sum(lp.reference(op, ref_x, y, **kw), ups).backward()
+        atol = 4 * max(tolerances(op, base, 0.8)) * _largest(ups) / 0.8
+        what = f"{op}, inplace_backward=True on {layout} logits of strides {logits.stride()}"
+        assert_close(grad, ref_x.grad, atol, f"{what}: gradient", rtol=4 * EPS32)
+        assert torch.equal(storage.detach()[:, -1], base[:, -1]), f"{what}: the rows outside the view changed"
+        if lp.backend.inplace_backward:
+            assert_close(storage.detach()[:, :-1], ref_x.grad, atol,
+                         f"{what}: {lp.name} declares inplace_backward=True, so the view must hold the "
+                         "gradient after backward, written through its strides", rtol=4 * EPS32)
+
+    # ------------------------------------------------------------- invariances
+    @covers(LOGITS_OPS, capability="deterministic", declared=True)
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_deterministic(self, lp: Harness, op: str) -> None:
+        """Same inputs, same backend: bitwise the same results and gradients (float32, and bfloat16
+        where the backend accepts it)."""
+        lp.require(op)
+        lp.require_capability("deterministic", "bitwise reproducibility")
+        for dtype in _accepted(lp, (torch.float32, torch.bfloat16)):
+            x = lp.logits((4, 9, 3000), dtype)
+            y = lp.labels((4, 9), 3000)
+            y[0, 0] = -100
+            kw = dict(temperature=0.9) if op == "entropy" else dict(temperature=0.9, ignore_index=-100)
+            first, second = lp.call(op, x, y, **kw), lp.call(op, x, y, **kw)
+            for i, (a, b) in enumerate(zip(first, second)):
+                assert torch.equal(a, b), f"{op} output {i} ({dtype} logits) differs between two identical calls"
+            if lp.backend.autograd:
+                grads = []
+                for _ in range(2):
+                    leaf = x.clone().requires_grad_(True)
+                    sum(o.sum() for o in lp.call(op, leaf, y, **kw)).backward()
+                    grads.append(leaf.grad)
+                assert torch.equal(grads[0], grads[1]), f"{op} gradient ({dtype} logits) differs between two identical calls"
+
+    @covers(LOGITS_OPS, capability="batch_invariant", declared=True)
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_batch_invariant(self, lp: Harness, op: str) -> None:
+        """A row's result is bitwise the same alone, in a sub-batch, in the whole batch and under
+        another leading shape."""
+        lp.require(op)
+        lp.require_capability("batch_invariant", "batch invariance")
+        x = lp.logits((12, 2000))
+        y = lp.labels((12,), 2000)
+        whole = lp.call(op, x, y)
+        views = {"row 0 alone": slice(0, 1), "row 11 alone": slice(11, 12), "rows 3..7": slice(3, 8)}
+        for what, rows in views.items():
+            for i, (part, full) in enumerate(zip(lp.call(op, x[rows], y[rows]), whole)):
+                assert torch.equal(part, full[rows]), f"{op} output {i}: {what} differs from the same rows in a batch of 12"
+        for i, (shaped, full) in enumerate(zip(lp.call(op, x.view(3, 4, 2000), y.view(3, 4)), whole)):
+            assert torch.equal(shaped.reshape(-1), full), f"{op} output {i}: a (3, 4, V) batch differs from (12, V)"
+
+    @covers(LOGITS_OPS, capability="batch_invariant", declared=True, grad=True)
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_batch_invariant_gradients(self, lp: Harness, op: str) -> None:
+        """A row's gradient is bitwise the same alone, in a sub-batch and in the whole batch."""
+        lp.require(op, torch.float32, grad=True)
+        lp.require_capability("batch_invariant", "batch invariance")
+        x = lp.logits((7, 50257), scale=4.0)
+        y = lp.labels((7,), 50257)
+        ups = upstream(lp.call(op, x, y), 5)
+
+        def gradient(rows: slice) -> torch.Tensor:
+            leaf = x[rows].clone().requires_grad_(True)
+            weighted_sum(lp.call(op, leaf, y[rows]), [u[rows] for u in ups]).backward()
+            return leaf.grad
+
+        whole = gradient(slice(0, 7))
+        for what, rows in {"row 0 alone": slice(0, 1), "row 6 alone": slice(6, 7), "rows 2..5": slice(2, 6)}.items():
+            assert torch.equal(gradient(rows), whole[rows]), (
+                f"{op}: the gradient of {what} differs from that of the same rows in a batch of 7")
+
+    @covers(LOGITS_OPS)
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_inputs_unmodified(self, lp: Harness, op: str) -> None:
+        """Forward and backward (without inplace_backward) leave logits and labels as they were
+        (float32, and bfloat16 where the backend accepts it)."""
+        lp.require(op)
+        for dtype in _accepted(lp, (torch.float32, torch.bfloat16)):
+            base = lp.logits((3, 7, 500), dtype)
+            y = lp.labels((3, 7), 500)
+            y[1, :2] = -100
+            kw = dict(temperature=0.7) if op == "entropy" else dict(temperature=0.7, ignore_index=-100)
+            x = base.clone()
+            x_before, y_before = x.clone(), y.clone()
+            with torch.no_grad():
+                lp.call(op, x, y, **kw)
+            assert torch.equal(x, x_before), f"{op} (no gradients) modified the {dtype} logits"
+            assert torch.equal(y, y_before), f"{op} (no gradients) modified the labels"
+            if lp.backend.autograd:
+                leaf = base.clone().requires_grad_(True)
+                logits = leaf * 1.0
+                sum(o.sum() for o in lp.call(op, logits, y, **kw)).backward()
+                assert torch.equal(logits.detach(), x_before), f"{op} forward or backward modified the {dtype} logits"
+                assert torch.equal(y, y_before), f"{op} forward or backward modified the labels"
+
+    # ---------------------------------------------------------------- bad input
+    @covers(LOGITS_OPS)
+    @pytest.mark.parametrize("case", [
+        "label-out-of-range", "negative-label", "shape-mismatch", "integer-logits",
+        "non-positive-temperature", "different-devices",
+    ])
+    def test_bad_input_errors(self, lp: Harness, case: str) -> None:
+        """Bad input raises a clear error before dispatch, naming what is wrong."""
+        op = lp.first_op(LABEL_OPS if case != "integer-logits" and case != "non-positive-temperature" else LOGITS_OPS)
+        lp.require(op)
+        x = lp.logits((2, 5, 50))
+        y = lp.labels((2, 5), 50)
+        if case == "label-out-of-range":
+            y[1, 3] = 57
+            with pytest.raises(ValueError) as info:
+                lp.call(op, x, y)
+            assert "57" in str(info.value) and "(1, 3)" in str(info.value), str(info.value)
+        elif case == "negative-label":
+            y[0, 2] = -1
+            with pytest.raises(ValueError) as info:
+                lp.call(op, x, y)
+            assert "-1" in str(info.value) and "(0, 2)" in str(info.value), str(info.value)
+        elif case == "shape-mismatch":
+            with pytest.raises(ValueError) as info:
+                lp.call(op, x, y[:, :4])
+            assert "(2, 4)" in str(info.value) and "(2, 5" in str(info.value), str(info.value)
+        elif case == "integer-logits":
+            with pytest.raises(TypeError, match="floating"):
+                lp.call(op, x.to(torch.int32), y)
+        elif case == "non-positive-temperature":
+            for bad in (0.0, -1.0, math.nan, math.inf):
+                with pytest.raises(ValueError, match="temperature"):
+                    lp.call(op, x, y, temperature=bad)
+        else:
+            other = "cpu" if lp.device.type != "cpu" else "meta"  # meta: a second device on any machine
+            with pytest.raises(ValueError) as info:
+                lp.call(op, x, y.to(other))
+            assert other in str(info.value) and lp.device.type in str(info.value), str(info.value)
+
+
+# ------------------------------------------------------------------------------- helpers
+def _largest(tensors: Sequence[torch.Tensor]) -> float:
+    return max((float(t.abs().max()) for t in tensors if t.numel()), default=1.0)
+
+
+def _compare_gradients(lp: Harness, op: str, x0: torch.Tensor, y: torch.Tensor, temperature: float,
+                       ignore: Optional[int], what: str, mask: torch.Tensor, used: Optional[int] = None) -> torch.Tensor:
+    """The gradient of ``sum(output * random upstream)`` (over output ``used`` only, if given)
+    against float64 autograd of the reference, zero at ignored positions; returns the leaf."""
+    leaf = x0.clone().requires_grad_(True)
+    kw = dict(temperature=temperature) if op == "entropy" else dict(temperature=temperature, ignore_index=ignore)
+    outs = lp.call(op, leaf, y, **kw)
+    ups = upstream(outs, 5)
+    chosen = list(range(len(outs))) if used is None else [used]
+    loss = weighted_sum([outs[i] for i in chosen], [ups[i] for i in chosen])
+    assert isinstance(loss, torch.Tensor) and loss.requires_grad, (
+        f"{what}: the outputs are not connected to the logits (no grad_fn), so backward cannot run")
+    loss.backward()
+    ref_x = x0.detach().cpu().double().requires_grad_(True)
+    refs = lp.reference(op, ref_x, y, **kw)
+    weighted_sum([refs[i] for i in chosen], [ups[i] for i in chosen]).backward()
+    assert leaf.grad is not None, f"{what}: no gradient reached the logits"
+    assert leaf.grad.dtype == x0.dtype, f"{what}: gradient is {leaf.grad.dtype}, expected {x0.dtype}"
+    atol = 4 * max(tolerances(op, x0, temperature)) * _largest(ups) / temperature
+    assert_close(leaf.grad, ref_x.grad, atol, f"{what}: gradient", rtol=gradient_rounding(x0.dtype))
+    if op == "logprobs" and bool(mask.any()):
+        assert bool((leaf.grad[mask] == 0).all()), f"{what}: the gradient at ignored positions is not zero"
+    return leaf
+
