@@ -109,16 +109,7 @@ class LogitsSection:
         """Non-contiguous leading dims: logits[:, :-1] with labels[:, 1:], transposed, every other
         row, and a broadcast (stride 0) batch."""
         lp.require(op)
-        full = lp.logits((3, 9, 640))
-        labels = lp.labels((3, 9), 640)
-        if layout == "shifted":
-            x, y = full[:, :-1], labels[:, 1:]
-        elif layout == "transposed":
-            x, y = full.transpose(0, 1), labels.transpose(0, 1)
-        elif layout == "every-other-row":
-            x, y = full[:, ::2], labels[:, ::2]
-        else:
-            x, y = full[:1].expand(4, 9, 640), labels[:1].expand(4, 9)
+        x, y = _strided(lp.logits((3, 9, 640)), lp.labels((3, 9), 640), layout)
         assert not x.is_contiguous()
         for i, (g, w, tol) in enumerate(zip(lp.call(op, x, y), lp.reference(op, x, y), tolerances(op, x))):
             assert_close(g, w, tol, f"{op} output {i}, {layout} logits of strides {x.stride()}")
@@ -326,6 +317,31 @@ class LogitsSection:
         mask = torch.zeros(dims[:-1], dtype=torch.bool, device=lp.device)
         _compare_gradients(lp, op, x0, y, 0.9, None, f"{op}, {shape} logits {dims}", mask)
 
+    @covers(LOGITS_OPS, grad=True)
+    @pytest.mark.parametrize("layout", STRIDED)
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_gradients_strided(self, lp: Harness, op: str, layout: str) -> None:
+        """Gradients through the layouts of test_strided_leading_dims (out of place): the logits
+        are a view of a leaf, whose gradient autograd assembles (summed over a broadcast batch)."""
+        lp.require(op, torch.float32, grad=True)
+        full = lp.logits((3, 9, 640))
+        labels = lp.labels((3, 9), 640)
+        labels[1, 2] = -100
+        kw = dict(temperature=0.8) if op == "entropy" else dict(temperature=0.8, ignore_index=-100)
+        leaf = full.clone().requires_grad_(True)
+        x, y = _strided(leaf, labels, layout)
+        outs = lp.call(op, x, y, **kw)
+        ups = upstream(outs, 5)
+        weighted_sum(outs, ups).backward()
+        ref_leaf = full.detach().cpu().double().requires_grad_(True)
+        rx, ry = _strided(ref_leaf, labels.cpu(), layout)
+        weighted_sum(lp.reference(op, rx, ry, **kw), ups).backward()
+        copies = 4 if layout == "broadcast" else 1  # the gradient of a broadcast row sums its copies'
+        atol = copies * 4 * max(tolerances(op, x, 0.8)) * _largest(ups) / 0.8
+        assert leaf.grad is not None, f"{op}: no gradient reached the logits through the {layout} view"
+        assert_close(leaf.grad, ref_leaf.grad, atol, f"{op}: gradient through {layout} logits of strides {x.stride()}",
+                     rtol=4 * EPS32)
+
     @covers(LABEL_OPS, capability="inplace_backward", grad=True)
     @pytest.mark.parametrize("op", LABEL_OPS)
     def test_inplace_backward(self, lp: Harness, op: str) -> None:
@@ -509,6 +525,18 @@ class LogitsSection:
 
 
 # ------------------------------------------------------------------------------- helpers
+def _strided(full: torch.Tensor, labels: torch.Tensor, layout: str) -> tuple:
+    """Views of (3, 9, V) logits and their labels in one of the layouts of :data:`STRIDED`:
+    ``logits[:, :-1]`` with ``labels[:, 1:]``, transposed, every other row, a broadcast batch."""
+    if layout == "shifted":
+        return full[:, :-1], labels[:, 1:]
+    if layout == "transposed":
+        return full.transpose(0, 1), labels.transpose(0, 1)
+    if layout == "every-other-row":
+        return full[:, ::2], labels[:, ::2]
+    return full[:1].expand(4, *full.shape[1:]), labels[:1].expand(4, *labels.shape[1:])
+
+
 def _largest(tensors: Sequence[torch.Tensor]) -> float:
     return max((float(t.abs().max()) for t in tensors if t.numel()), default=1.0)
 
