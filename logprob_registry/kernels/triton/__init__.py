@@ -34,22 +34,24 @@ def interpreter_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes", "y")
 
 
-def _kernels():
+def _load():
+    """The kernel module, imported at the first op (a function named ``_kernels`` would shadow the
+    submodule of that name: ``from . import _kernels`` would return the function)."""
     from . import _kernels
 
     return _kernels
 
 
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
-    return _kernels().logprobs(logits, labels, temperature, ignore_index, inplace_backward)
+    return _load().logprobs(logits, labels, temperature, ignore_index, inplace_backward)
 
 
 def entropy(logits, *, temperature):
-    return _kernels().entropy(logits, temperature)
+    return _load().entropy(logits, temperature)
 
 
 def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward):
-    return _kernels().logprobs_and_entropy(logits, labels, temperature, ignore_index, inplace_backward)
+    return _load().logprobs_and_entropy(logits, labels, temperature, ignore_index, inplace_backward)
 
 
 def available(env, device_type: str) -> "str | None":
