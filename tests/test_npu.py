@@ -26,8 +26,9 @@ import torch
 import logprob_registry as lr
 from logprob_registry import environment
 from logprob_registry import reference as ref
-from logprob_registry.environment import Environment, detect, set_environment
+from logprob_registry.environment import Environment, detect
 from logprob_registry.kernels import npu
+from logprob_registry.registry import Key, Registry
 
 STAND_IN = '''"""Stand-in torch_npu for logprob-registry's tests: it computes nothing and has no ops."""
 '''
@@ -43,7 +44,6 @@ def isolated(monkeypatch):
     sys.modules.pop("torch_npu", None)
     if saved_module is not None:
         sys.modules["torch_npu"] = saved_module
-    set_environment(None)
 
 
 def _install_stand_in(monkeypatch, tmp_path, *, version="2.1.0", body=STAND_IN):
@@ -66,8 +66,8 @@ def _fake_torch_npu_namespace(monkeypatch, count):
 
 
 def _verdict(env, op="logprobs", device="npu", dtype=torch.float32):
-    set_environment(env)
-    return lr.explain(op, device=device, dtype=dtype, requires_grad=True)
+    """What a registry of the built-in backends explains in ``env`` (a fresh one: no global)."""
+    return Registry(entry_points=False, environment=env).explain(Key(op, device, dtype, True))
 
 
 # --------------------------------------------------------------------------------------- detection
