@@ -158,7 +158,8 @@ class HiddenSection:
         weight = w.clone().requires_grad_(True)
         with torch.no_grad():
             out = lp.call_hidden(h, weight, y, bias=b)[0]
-        assert out.grad_fn is None and not out.requires_grad, f"{OP} under torch.no_grad() returned a result with a grad_fn"
+        assert out.grad_fn is None and not out.requires_grad, (
+            f"{OP} under torch.no_grad() returned a result with a grad_fn")
 
     @covers(OP, grad=True)
     def test_hidden_tied_embeddings(self, lp: Harness) -> None:
@@ -327,7 +328,8 @@ class HiddenSection:
         for rows in (slice(7, 8), slice(3, 20), slice(30, 40)):
             for name, part, full in zip(("logprobs", "entropy", "hidden's gradient"), run(rows), whole):
                 assert torch.equal(part, full[rows]), (
-                    f"{OP}: {name} of rows {rows.start}..{rows.stop - 1} alone differs from the same rows in a batch of 40")
+                    f"{OP}: {name} of rows {rows.start}..{rows.stop - 1} alone differs from the same rows "
+                    "in a batch of 40")
 
     # ---------------------------------------------------------------- bad input
     @covers(OP)
@@ -356,7 +358,8 @@ def _variant(lp: Harness, variant: str, dtype: torch.dtype):
     """The cases of test_hidden_values and test_hidden_gradients: (hidden, weight, bias, labels, options)."""
     h = lp.logits((2, 5, 48), dtype, scale=1.0, seed=8)
     w = lp.logits((700, 48), dtype, scale=0.4, seed=9)
-    b = lp.logits((700,), dtype, scale=0.5, seed=10) if variant in ("bias", "all-options", "in-range-ignore-index") else None
+    with_bias = variant in ("bias", "all-options", "in-range-ignore-index")
+    b = lp.logits((700,), dtype, scale=0.5, seed=10) if with_bias else None
     y = lp.labels((2, 5), 700)
     kw: dict = {}
     if variant in ("entropy", "all-options"):

@@ -132,9 +132,8 @@ class LogitsSection:
             size = x.numel() * x.element_size()
             with torch.no_grad():
                 lp.call(op, x, y, temperature=temperature)  # warm-up: lazy init, compilation
-                out, extra = peak(lambda: lp.call(op, x, y, temperature=temperature), lp,
-                                        MEMORY_LIMIT * size)
-            del out, full, x
+                out, extra = peak(lambda: lp.call(op, x, y, temperature=temperature), lp, MEMORY_LIMIT * size)
+            out = full = x = None  # freed before the next reading
             assert extra < MEMORY_LIMIT * size, (
                 f"{op} on strided {dtype} logits {tuple(MEMORY_SHAPE[:1]) + (MEMORY_SHAPE[1] - 1,) + MEMORY_SHAPE[2:]} "
                 f"(T={temperature}) allocated {describe(extra)} at its peak, {extra / size:.2f}x the logits "
@@ -421,7 +420,8 @@ class LogitsSection:
                     leaf = x.clone().requires_grad_(True)
                     sum(o.sum() for o in lp.call(op, leaf, y, **kw)).backward()
                     grads.append(leaf.grad)
-                assert torch.equal(grads[0], grads[1]), f"{op} gradient ({dtype} logits) differs between two identical calls"
+                assert torch.equal(grads[0], grads[1]), (
+                    f"{op} gradient ({dtype} logits) differs between two identical calls")
 
     @covers(LOGITS_OPS, capability="batch_invariant", declared=True)
     @pytest.mark.parametrize("op", LOGITS_OPS)
@@ -542,7 +542,8 @@ def _largest(tensors: Sequence[torch.Tensor]) -> float:
 
 
 def _compare_gradients(lp: Harness, op: str, x0: torch.Tensor, y: torch.Tensor, temperature: float,
-                       ignore: Optional[int], what: str, mask: torch.Tensor, used: Optional[int] = None) -> torch.Tensor:
+                       ignore: Optional[int], what: str, mask: torch.Tensor,
+                       used: Optional[int] = None) -> torch.Tensor:
     """The gradient of ``sum(output * random upstream)`` (over output ``used`` only, if given)
     against float64 autograd of the reference, zero at ignored positions; returns the leaf."""
     leaf = x0.clone().requires_grad_(True)
