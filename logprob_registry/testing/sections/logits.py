@@ -132,8 +132,8 @@ class LogitsSection:
             size = x.numel() * x.element_size()
             with torch.no_grad():
                 lp.call(op, x, y, temperature=temperature)  # warm-up: lazy init, compilation
-                out, extra = peak(lambda: lp.call(op, x, y, temperature=temperature), lp, MEMORY_LIMIT * size)
-            out = full = x = None  # freed before the next reading
+                _, extra = peak(lambda: lp.call(op, x, y, temperature=temperature), lp, MEMORY_LIMIT * size)
+            _ = full = x = None  # the result and the logits are freed before the next reading
             assert extra < MEMORY_LIMIT * size, (
                 f"{op} on strided {dtype} logits {tuple(MEMORY_SHAPE[:1]) + (MEMORY_SHAPE[1] - 1,) + MEMORY_SHAPE[2:]} "
                 f"(T={temperature}) allocated {describe(extra)} at its peak, {extra / size:.2f}x the logits "
