@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from logprob_registry.testing.sections.hidden import VARIANTS as HIDDEN_VARIANTS
+from logprob_registry.testing.sections.logits import STRIDED
 
 pytest_plugins = ["pytester"]
 
@@ -108,7 +109,8 @@ def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
     return LogProbs.apply(logits, labels, temperature, ignore_index)
 ''', "", "test_gradients or test_dtypes",
         {f"test_gradients[logprobs-temperature-{d}]" for d in ("float32", "bfloat16", "float16", "float64")}
-        | {"test_gradients_of_shapes[logprobs-1d]", "test_gradients_of_shapes[logprobs-vocab-7]"}),
+        | {"test_gradients_of_shapes[logprobs-1d]", "test_gradients_of_shapes[logprobs-vocab-7]"}
+        | {f"test_gradients_strided[logprobs-{layout}]" for layout in STRIDED}),
     "bad-mutates-input": (
         '''
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
