@@ -128,3 +128,16 @@ def test_good_input_reaches_the_backend():
     with pytest.raises(AssertionError, match="validation should have stopped"):
         lr.logprobs_from_logits(logits, labels, backend="test-spy")
     ran.clear()
+
+
+def test_select_and_explain_arguments():
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype such as torch.bfloat16, got 'float32'"):
+        lr.select(dtype="float32")
+    with pytest.raises(ValueError, match="unknown op 'logprob'; ops: logprobs, entropy"):
+        lr.explain("logprob")
+    with pytest.raises(ValueError, match="device must be a device type such as 'cpu'"):
+        lr.explain(device="GPU zero")
+    # device types this machine lacks, even ones torch cannot parse without their extension
+    assert lr.explain(device="npu:3").key.device == "npu"
+    assert lr.explain(device="hpu").chosen is None
+    assert lr.explain(device=torch.device("cpu")).key.device == "cpu"

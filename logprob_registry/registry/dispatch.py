@@ -112,7 +112,7 @@ class Dispatcher:
     def broken(self) -> Dict[Key, Dict[str, str]]:
         """Backends marked broken, per key, with the error that marked them."""
         with self._lock:
-            return {k: dict(v) for k, v in self._broken.items()}
+            return {k: dict(v) for k, v in self._broken.items() if v}
 
     # ----------------------------------------------------------- selection
     @staticmethod
