@@ -60,5 +60,6 @@ def register_backends(register):
         autograd=True,
         batch_invariant=True,
         copies_logits=True,
+        features={"functorch"},
         description="log_softmax + gather in float32; materialises the logits in float32",
     ))
