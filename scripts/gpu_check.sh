@@ -95,9 +95,9 @@ fi
 
 # 4. The sweep: median time of the triton forward kernel for each block size and warp count.
 run sweep 60 $PY - "${QUICK:-0}" <<'EOF'
-import statistics, sys
+import importlib, statistics, sys
 import torch
-from logprob_registry.kernels.triton import _kernels as K
+K = importlib.import_module("logprob_registry.kernels.triton._kernels")
 
 quick = sys.argv[1] not in ("", "0")
 b, t, v = (2, 256, 32768) if quick else (16, 1024, 32768)
