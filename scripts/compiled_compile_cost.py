@@ -12,7 +12,12 @@ nothing of the first call or of inductor's on-disk cache. Kept until issue #16's
 ``logprob-registry warmup`` and its first-call measurements replace it (the README's first-call
 figures come from this script).
 """
-import argparse, json, os, subprocess, sys, tempfile
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 
 CHILD = r'''
 import json, sys, time, torch

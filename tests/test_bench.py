@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import logprob_registry as lr
-from logprob_registry.benchmark import BenchError, Options, bench, child, fit, measure, settings as st
+from logprob_registry.benchmark import BenchError, Options, bench, child, fit, measure
+from logprob_registry.benchmark import settings as st
 from logprob_registry.benchmark.render import render
 from logprob_registry.benchmark.workload import Workload, max_differences
 from logprob_registry.cli import main
@@ -210,7 +211,7 @@ def test_the_engine_benches_the_fused_op_backward_from_python():
     expected = lr.explain("logprobs_from_hidden", device="cpu", dtype=torch.bfloat16, requires_grad=True).eligible
     results = {r["name"]: r for r in run["results"]}
     assert set(results) == {"baseline", *expected} and "chunked" in results
-    for name, r in results.items():
+    for r in results.values():
         assert r["status"] == "ok", r
         assert set(r["max_abs_diff_grads"]) == {"hidden", "weight"}
         assert r["max_abs_diff_grad"] == r["max_abs_diff_grads"]["hidden"]
@@ -342,8 +343,8 @@ def test_children_measure_in_process(capsys):
     s = st.Setting(op="logprobs", device="cpu", dtype="float32", shape=(2, 4, 16), repeat=3, warmup=1)
     for what in ("time", "mem"):
         child.main([json.dumps(dict(what=what, setting=s.to_args(), method="naive", plugins=[]))])
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith(child.MARKER)]
-    timed, mem = (json.loads(l[len(child.MARKER):]) for l in lines)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(child.MARKER)]
+    timed, mem = (json.loads(line[len(child.MARKER):]) for line in lines)
     assert len(timed["times_s"]) == 3 and timed["max_abs_diff"] < 1e-6 and timed["max_abs_diff_grad"] is None
     assert len(timed["cpu_times_s"]) == 3 and timed["max_abs_diff_grads"] == {}
     assert mem["peak_bytes"] >= 0
@@ -352,5 +353,5 @@ def test_children_measure_in_process(capsys):
 def test_a_child_reports_an_error_as_json(capsys):
     s = st.Setting(op="logprobs", device="cpu", dtype="float32", shape=(2, 4, 16))
     child.main([json.dumps(dict(what="time", setting=s.to_args(), method="no-such-backend", plugins=[]))])
-    line = [l for l in capsys.readouterr().out.splitlines() if l.startswith(child.MARKER)][-1]
+    line = [text for text in capsys.readouterr().out.splitlines() if text.startswith(child.MARKER)][-1]
     assert "no backend named 'no-such-backend'" in json.loads(line[len(child.MARKER):])["error"]

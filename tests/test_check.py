@@ -22,7 +22,7 @@ def register_backends(register):
 
 
 def _rows(stdout):
-    return {line.split()[0]: line.split() for line in stdout.splitlines()[2:] if line and not ":" in line.split()[0]}
+    return {line.split()[0]: line.split() for line in stdout.splitlines()[2:] if line and ":" not in line.split()[0]}
 
 
 def test_check_prints_a_row_per_backend_and_fails_when_one_fails(tmp_path):

@@ -19,6 +19,7 @@ An exception becomes ``{"error": "Type: message"}``.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -107,10 +108,9 @@ def _peak_bytes(w, device) -> int:
 
     peak = 0
     for _ in range(MEMORY_REPEAT):
-        x = w.prepare()
-        outs, extra = peak_extra_bytes(lambda: w.run(x), device)
+        outs, extra = peak_extra_bytes(functools.partial(w.run, w.prepare()), device)
         peak = max(peak, extra)
-        del outs, x
+        del outs
         w.release()
     return peak
 

@@ -59,7 +59,7 @@ def run_child(what: str, s: Setting, method: str, plugins: Sequence[str], timeou
         )
     except subprocess.TimeoutExpired:
         return dict(error=f"timed out after {timeout:g} s (raise --timeout)")
-    answer = [l for l in p.stdout.splitlines() if l.startswith(MARKER)]
+    answer = [line for line in p.stdout.splitlines() if line.startswith(MARKER)]
     if answer:
         return json.loads(answer[-1][len(MARKER):])
     tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or [""]

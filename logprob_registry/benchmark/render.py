@@ -86,7 +86,8 @@ def render_run(run: dict) -> str:
                      "the gradient written) per second of median time")
     if "logits" not in s.get("inputs", {"logits": None}):
         weight_grad = (run.get("input_bytes") or {}).get("weight") if "weight" in grads else None
-        also = f"; the weight gradient, {fmt_bytes(weight_grad)}, is part of every backward's peak" if weight_grad else ""
+        also = (f"; the weight gradient, {fmt_bytes(weight_grad)}, is part of every backward's peak"
+                if weight_grad else "")
         lines.append(f"the logits this op reduces, {'x'.join(map(str, s['logits_shape']))} in {s['dtype']}, "
                      f"take {fmt_bytes(run['logits_bytes'])}{also}")
     return "\n".join(lines)

@@ -22,7 +22,14 @@ from ..dtypes import DTYPE_NAMES
 from ..opspec import OPS
 from . import fit
 from .settings import (
-    DEFAULT_HIDDEN_SIZE, DEFAULT_PRESET, PRESETS, Setting, bench_ops, canonical_dtype, parse_list, parse_shape,
+    DEFAULT_HIDDEN_SIZE,
+    DEFAULT_PRESET,
+    PRESETS,
+    Setting,
+    bench_ops,
+    canonical_dtype,
+    parse_list,
+    parse_shape,
     uses_hidden_size,
 )
 
@@ -118,8 +125,9 @@ def settings(options: Options, default_device: str) -> List[Setting]:
     device = options.device or default_device
     return [
         Setting(op=op, device=device, dtype=d, shape=shape, hidden_size=hidden if op in hidden_ops else None,
-                sliced=sliced, backward=options.backward, inplace_backward=options.inplace_backward and op in inplace_ops,
-                repeat=options.repeat, warmup=options.warmup, threads=options.threads, preset=preset)
+                sliced=sliced, backward=options.backward,
+                inplace_backward=options.inplace_backward and op in inplace_ops, repeat=options.repeat,
+                warmup=options.warmup, threads=options.threads, preset=preset)
         for op in ops for d in (dtypes or [dtype])
     ]
 

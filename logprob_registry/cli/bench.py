@@ -24,11 +24,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", action="append", default=[], metavar="DTYPE[,DTYPE]",
                         help="input dtype(s): float16, bfloat16, float32, float64 (default float32, or the preset's)")
     shape = parser.add_mutually_exclusive_group()
-    shape.add_argument("--shape", metavar="B,T,V", help="logits shape (batch, sequence, vocabulary)")
+    shape.add_argument("--shape", metavar="B,T,V",
+                       help="batch, sequence, vocabulary: the logits' shape (for ops taking hidden states, "
+                            "that of the logits they form)")
     shape.add_argument("--preset", choices=sorted(PRESETS), help=f"a seed's setting ({presets})")
     parser.add_argument("--hidden-size", type=int, metavar="H",
                         help="for ops taking hidden states (B, T, H) and a weight (V, H): H "
-                             f"(default {DEFAULT_HIDDEN_SIZE}, or the preset's)")
+                             f"(default {DEFAULT_HIDDEN_SIZE}, or the preset's: "
+                             + ", ".join(f"{k} {p.hidden_size}" for k, p in PRESETS.items()) + ")")
     parser.add_argument("--slice", action="store_true",
                         help="feed x[:, :-1] and labels[:, 1:], non-contiguous, as trainers do (the trlx preset does)")
     parser.add_argument("--op", action="append", default=[], metavar="OP[,OP]",
@@ -43,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure only these backends (default: every eligible one); the baseline always runs")
     parser.add_argument("--repeat", type=int, default=5, metavar="N", help="timed calls per method (default 5)")
     parser.add_argument("--rounds", type=int, default=1, metavar="N",
-                        help="timing rounds, interleaved across methods so that a busy machine's drift hits all alike (default 1)")
+                        help="timing rounds, interleaved across methods so that a busy machine's drift hits "
+                             "all alike (default 1)")
     parser.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed calls first (default 2)")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="torch threads in each measuring process (default: torch's); with 1, the "
@@ -66,7 +70,8 @@ def check_output(path: str, flag: str) -> None:
     if os.path.isdir(full):
         raise BenchError(f"{flag} {path}: is a folder; name a file")
     if not os.path.isdir(folder):
-        raise BenchError(f"{flag} {path}: folder {folder} does not exist; create it or name a file in an existing folder")
+        raise BenchError(f"{flag} {path}: folder {folder} does not exist; create it or name a file in an "
+                         "existing folder")
     if not os.access(full if os.path.exists(full) else folder, os.W_OK):
         raise BenchError(f"{flag} {path}: not writable here (permission denied); name a file you can write")
 
