@@ -17,13 +17,15 @@ from .registry import Key, get_registry
 from .report import Explanation
 
 _DEVICE_TYPE = re.compile(r"^([a-z][a-z0-9_]*)(:\d+)?$")
+_FUNCTORCH = frozenset({"functorch"})
 
 
 def _dispatch(op: str, backend: Optional[str], inputs: Tuple[Any, ...], options: Dict[str, Any],
               on: torch.Tensor, grad: bool) -> Any:
-    spec = OPS[op]
-    key = Key(op, on.device.type, on.dtype, grad, spec.features_used(options))
-    return get_registry().call(key, backend, inputs, options)
+    features = OPS[op].features_used(options)
+    if v.inside_functorch_transform():
+        features = features | _FUNCTORCH
+    return get_registry().call(Key(op, on.device.type, on.dtype, grad, features), backend, inputs, options)
 
 
 def _logits_and_labels(logits, labels, temperature, ignore_index):

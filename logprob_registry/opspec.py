@@ -130,8 +130,12 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
     ),
 )}
 
-#: Features a backend may declare (``Backend(features=...)``), each unlocking optional options.
-FEATURES: Mapping[str, str] = {}
+#: Features a backend may declare (``Backend(features=...)``): options it implements, and kinds of
+#: call it supports. A call that needs a feature goes only to backends that declare it.
+FEATURES: Mapping[str, str] = {
+    "functorch": "its ops work inside torch.func transforms (grad, vmap, jacrev, ...): pure "
+                 "differentiable torch ops, or autograd Functions with setup_context and vmap rules",
+}
 
 
 def get(op: str) -> OpSpec:

@@ -92,6 +92,13 @@ def info(registry: "Registry", dtype: torch.dtype = torch.float32, requires_grad
     lines += ["  " + line for line in table(("plugin", "distribution", "backends"), rows).splitlines()]
     for f in registry.failures():
         lines.append(f"  FAILED {f.plugin} ({f.distribution}): {f.error}")
+    lines += ["", "backends"]
+    rows = [(b.name, str(b.priority), ", ".join(sorted(b.devices)), b.description or "-")
+            for b in registry.backends()]
+    lines += ["  " + line for line in table(("backend", "priority", "devices", "what it is"), rows).splitlines()]
+    for b in registry.backends():
+        if b.memory:
+            lines.append(f"  {b.name} memory: {b.memory}")
     lines += ["", "configuration"]
     rows = [(name, value, doc) for name, value, doc in config.describe()]
     lines += ["  " + line for line in table(("variable", "value", "what it does"), rows).splitlines()]

@@ -11,11 +11,35 @@ from typing import Optional
 import torch
 
 LABEL_DTYPES = (torch.int32, torch.int64)
+INT64 = torch.iinfo(torch.int64)
+
+
+def inside_functorch_transform() -> bool:
+    """Whether the call runs inside a ``torch.func`` transform (grad, vmap, jacrev, ...)."""
+    try:
+        return torch._C._functorch.peek_interpreter_stack() is not None
+    except AttributeError:  # a torch without functorch's C API
+        return False
+
+
+def values_visible(t: torch.Tensor) -> bool:
+    """Whether checks may read ``t``'s values on the host: not while torch.compile traces (the
+    check would break the graph), not for a vmap-batched tensor (data-dependent control flow)."""
+    if torch.compiler.is_compiling():
+        return False
+    try:
+        return not torch._C._functorch.is_batchedtensor(t)
+    except AttributeError:
+        return True
 
 
 def check_float(t: object, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type == "meta":
+        raise ValueError(f"{what} is on the meta device, which holds no values to compute with; "
+                         "materialise it on a real device first (for shapes alone, the result has the "
+                         "labels' shape)")
     if not t.is_floating_point():
         raise TypeError(
             f"{what} must be a floating-point tensor (float16, bfloat16, float32 or float64), got {t.dtype}; "
@@ -28,6 +52,9 @@ def check_logits(logits: object) -> torch.Tensor:
     logits = check_float(logits, "logits")
     if logits.dim() < 1:
         raise ValueError("logits must have a vocabulary dimension: shape (..., V), got a 0-d tensor")
+    if logits.shape[-1] == 0:
+        raise ValueError(f"logits of shape {tuple(logits.shape)} have an empty vocabulary (V = 0): no token "
+                         "has a probability; give logits of at least one column")
     return logits
 
 
@@ -70,9 +97,13 @@ def check_ignore_index(ignore_index: object) -> Optional[int]:
     if isinstance(ignore_index, bool):
         raise TypeError("ignore_index must be an int or None, got a bool")
     try:
-        return operator.index(ignore_index)
+        value = operator.index(ignore_index)
     except TypeError:
         raise TypeError(f"ignore_index must be an int or None, got {type(ignore_index).__name__}") from None
+    if not INT64.min <= value <= INT64.max:
+        raise ValueError(f"ignore_index={value} does not fit in int64, so no label can equal it; "
+                         "use the value your labels hold at padded positions, such as -100")
+    return value
 
 
 def check_flag(value: object, what: str) -> bool:
@@ -82,8 +113,9 @@ def check_flag(value: object, what: str) -> bool:
 
 
 def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: Optional[int]) -> None:
-    """Every label is in [0, vocab) or equal to ignore_index. One reduction over the labels."""
-    if labels.numel() == 0:
+    """Every label is in [0, vocab) or equal to ignore_index. One reduction over the labels (and a
+    device sync); skipped where the values cannot be read (see :func:`values_visible`)."""
+    if labels.numel() == 0 or not values_visible(labels):
         return
     flat = labels.reshape(-1)
     bad = (flat < 0) | (flat >= vocab)
@@ -120,6 +152,12 @@ def check_hidden(hidden: object, weight: object, bias: object):
             f"weight shape {tuple(weight.shape)} does not fit hidden shape {tuple(hidden.shape)}: "
             "expected hidden (..., H) and weight (V, H)"
         )
+    if weight.shape[0] == 0:
+        raise ValueError(f"weight of shape {tuple(weight.shape)} has an empty vocabulary (V = 0): no token "
+                         "has a probability")
+    if weight.shape[1] == 0:
+        raise ValueError(f"hidden size is 0 (hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}): "
+                         "every logit would be the bias alone; call logprobs_from_logits on the logits instead")
     tensors = {"weight": weight}
     if bias is not None:
         bias = check_float(bias, "bias")

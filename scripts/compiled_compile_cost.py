@@ -6,8 +6,18 @@ a machine); "warm": the same directory again (inductor's on-disk caches hit; dyn
 The cost is the first call's time minus the median of the next calls.
 
   scripts/compiled_compile_cost.py [--shape B,T,V] [--dtype float32]
+
+Not a bench option: bench times steady calls after warm-up, in one process per method, and says
+nothing of the first call or of inductor's on-disk cache. Kept until issue #16's
+``logprob-registry warmup`` and its first-call measurements replace it (the README's first-call
+figures come from this script).
 """
-import argparse, json, os, subprocess, sys, tempfile
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 
 CHILD = r'''
 import json, sys, time, torch

@@ -1,12 +1,15 @@
 """``logprob-registry bench``: the command end to end on a tiny shape (every eligible backend and
 the baseline present, a failing plugin reported while the others run, the JSON fields, the chart),
-the refusal of a shape that cannot fit, and the pieces the children run, in process."""
+``--op logprobs_from_hidden``, the refusals that come before anything runs (usage, unwritable
+outputs, a shape that cannot fit), the engine from Python, and the pieces the children run, in
+process."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import subprocess
 import sys
 import textwrap
 
@@ -14,7 +17,9 @@ import pytest
 import torch
 
 import logprob_registry as lr
-from logprob_registry.benchmark import child, measure, settings as st
+from logprob_registry.benchmark import BenchError, Options, bench, child, fit, measure
+from logprob_registry.benchmark import settings as st
+from logprob_registry.benchmark.render import render
 from logprob_registry.benchmark.workload import Workload, max_differences
 from logprob_registry.cli import main
 
@@ -31,7 +36,8 @@ BROKEN_PLUGIN = textwrap.dedent('''
 
 RESULT_FIELDS = {
     "name", "kind", "status", "error", "automatic_choice", "time_median_s", "time_iqr_s", "time_min_s",
-    "time_max_s", "times_s", "peak_bytes", "max_abs_diff", "max_abs_diff_grad", "speedup", "memory_ratio",
+    "time_max_s", "times_s", "cpu_time_median_s", "cpu_times_s", "bandwidth_bytes_per_s", "peak_bytes",
+    "max_abs_diff", "max_abs_diff_grad", "max_abs_diff_grads", "speedup", "memory_ratio",
 }
 
 
@@ -80,7 +86,9 @@ def test_json_has_every_field(bench_run):
     doc = bench_run["doc"]
     assert {"tool", "version", "environment", "options", "runs"} <= set(doc)
     run = doc["runs"][0]
-    assert {"title", "settings", "rounds", "memory_method", "logits_bytes", "eligible", "automatic_choice", "results"} <= set(run)
+    assert {"title", "settings", "rounds", "memory_method", "baseline", "logits_bytes", "input_bytes", "grad_inputs",
+            "eligible", "automatic_choice", "results"} <= set(run)
+    assert run["grad_inputs"] == ["logits"] and run["input_bytes"] == {"logits": 2 * 8 * 64 * 4, "labels": 2 * 8 * 8}
     for r in run["results"]:
         assert RESULT_FIELDS <= set(r), RESULT_FIELDS - set(r)
         if r["status"] != "ok":
@@ -88,6 +96,9 @@ def test_json_has_every_field(bench_run):
         assert len(r["times_s"]) == 2 and r["time_min_s"] <= r["time_median_s"] <= r["time_max_s"]
         assert r["time_iqr_s"] >= 0 and isinstance(r["peak_bytes"], int) and r["peak_bytes"] >= 0
         assert r["max_abs_diff"] < 1e-5 and r["max_abs_diff_grad"] < 1e-5  # float32 against float64
+        assert r["max_abs_diff_grads"] == {"logits": r["max_abs_diff_grad"]}
+        assert len(r["cpu_times_s"]) == 2 and r["cpu_time_median_s"] > 0
+        assert r["bandwidth_bytes_per_s"] == pytest.approx(3 * 2 * 7 * 64 * 4 / r["time_median_s"])
         assert r["speedup"] > 0
     assert run["results"][0]["speedup"] == 1.0
 
@@ -103,25 +114,159 @@ def test_a_shape_that_cannot_fit_is_refused(capsys):
     assert "needs about" in err and "GiB is available" in err and "Try --shape" in err
 
 
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Fail the test if a measuring child would start."""
+    def no_child(*args, **kwargs):
+        raise AssertionError("a measurement started although the arguments were refused")
+
+    monkeypatch.setattr(measure, "run_child", no_child)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--shape", "2,8"], "three positive integers"),
     (["--dtype", "int8"], "unknown dtype 'int8'"),
-    (["--op", "logprobs_from_hidden"], "not benchmarked yet"),
+    (["--op", "no_such_op"], "unknown op 'no_such_op'; choose from logprobs, entropy"),
     (["--backend", "no-such-backend"], "no backend named 'no-such-backend'"),
     (["--inplace-backward"], "only makes sense with --backward"),
+    (["--op", "entropy", "--backward", "--inplace-backward"], "entropy has no inplace_backward option"),
+    (["--hidden-size", "64"], "--hidden-size only applies to ops with hidden states (logprobs_from_hidden)"),
+    (["--op", "logprobs_from_hidden", "--hidden-size", "0"], "--hidden-size must be an integer of at least 1"),
     (["--plugin", "no_such_module_xyz"], "cannot import it"),
+    (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
+    (["--timeout", "-5"], "--timeout must be a positive number of seconds, got -5.0"),
+    (["--timeout", "nan"], "--timeout must be a positive number of seconds"),
+    (["--repeat", "0"], "--repeat must be an integer of at least 1, got 0"),
+    (["--rounds", "0"], "--rounds must be an integer of at least 1, got 0"),
+    (["--warmup", "-1"], "--warmup must be an integer of at least 0, got -1"),
+    (["--threads", "0"], "--threads must be an integer of at least 1, got 0"),
+    (["--device", "nonsense"], "is not a device such as cpu"),
 ])
-def test_usage_errors_say_what_is_wrong(capsys, argv, message):
+def test_usage_errors_say_what_is_wrong(capsys, nothing_runs, argv, message):
     shape = [] if "--shape" in argv else ["--shape", "2,8,64"]
     rc = main(["bench", "--device", "cpu", *shape, *argv])
     assert rc == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("logprob-registry bench: ")
 
 
-def test_missing_matplotlib_gives_the_install_hint(monkeypatch, capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--json", "/nonexistent/x.json"], "--json /nonexistent/x.json: folder /nonexistent does not exist"),
+    (["--plot", "/nonexistent/x.png"], "--plot /nonexistent/x.png: folder /nonexistent does not exist"),
+    (["--plot", "x.txt"], "--plot x.txt: extension .txt; name a file matplotlib can write: "),
+    (["--plot", "chart"], "--plot chart: no extension"),
+    (["--json", "."], "--json .: is a folder"),
+])
+def test_outputs_that_cannot_be_written_are_refused_before_anything_runs(capsys, nothing_runs, argv, message):
+    rc = main(["bench", "--device", "cpu", "--shape", "2,8,64", *argv])
+    captured = capsys.readouterr()
+    assert rc == 2 and message in captured.err, captured.err
+    assert captured.out == "" and "time ..." not in captured.err
+
+
+def test_plot_accepts_what_matplotlib_writes():
+    from logprob_registry.benchmark.plot import check_path, formats
+
+    assert {"png", "svg", "pdf"} <= set(formats())
+    check_path("x.svg")
+    with pytest.raises(ValueError, match=r"\.png"):
+        check_path("x.txt")
+
+
+def test_missing_matplotlib_gives_the_install_hint(monkeypatch, capsys, nothing_runs):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["bench", "--device", "cpu", "--shape", "2,8,64", "--plot", "x.png"]) == 2
     assert "pip install 'logprob-registry[plot]'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ logprobs_from_hidden
+def test_bench_of_the_fused_op_prints_its_table():
+    """The command as a user types it: the baseline (the logits formed, then the textbook formula)
+    and every CPU backend of the fused op, in one table."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "logprob_registry", "bench", "--op", "logprobs_from_hidden", "--device", "cpu",
+         "--shape", "2,64,512", "--hidden-size", "32", "--repeat", "1", "--warmup", "0"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "logprobs_from_hidden on cpu float32 2x64x512 H=32, forward"
+    assert "against the baseline (hidden @ weight.T, then the textbook formula in the input dtype)" in proc.stdout
+    rows = {line.split()[0]: line.split() for line in lines if line[:1].isalpha() and "  " in line}
+    for name in ("baseline", "chunked", "naive"):
+        assert name in rows, proc.stdout
+        assert float(rows[name][-1]) < 1e-5, rows[name]  # max |diff| against float64, float32 inputs
+    assert "the logits this op reduces, 2x64x512 in float32, take 0.2 MiB" in proc.stdout
+
+
+def test_the_engine_benches_the_fused_op_backward_from_python():
+    """``benchmark.bench``: gradients of hidden and weight against float64, every eligible
+    backend, in bfloat16 (the baseline's bf16 logits are visibly worse than the fused op's)."""
+    lines = []
+    doc = bench(progress=lambda text, end: lines.append(text), ops=["logprobs_from_hidden"], device="cpu",
+                dtypes=["bf16"], shape=(2, 6, 96), hidden_size=16, sliced=True, backward=True, repeat=1, warmup=0)
+    (run,) = doc["runs"]
+    assert run["settings"]["inputs"] == {"hidden": [2, 5, 16], "weight": [96, 16], "labels": [2, 5]}
+    assert run["grad_inputs"] == ["hidden", "weight"] and run["settings"]["hidden_size"] == 16
+    assert run["input_bytes"]["weight"] == 96 * 16 * 2
+    expected = lr.explain("logprobs_from_hidden", device="cpu", dtype=torch.bfloat16, requires_grad=True).eligible
+    results = {r["name"]: r for r in run["results"]}
+    assert set(results) == {"baseline", *expected} and "chunked" in results
+    for r in results.values():
+        assert r["status"] == "ok", r
+        assert set(r["max_abs_diff_grads"]) == {"hidden", "weight"}
+        assert r["max_abs_diff_grad"] == r["max_abs_diff_grads"]["hidden"]
+        assert all(0 < d < 0.1 for d in r["max_abs_diff_grads"].values()), r
+        assert r["bandwidth_bytes_per_s"] is None  # the fused op forms its logits: no traffic bound
+    assert results["chunked"]["max_abs_diff"] < 1e-5 < results["baseline"]["max_abs_diff"]
+    assert "max |hidden grad diff|" in render(doc) and "max |weight grad diff|" in render(doc)
+    assert any("chunked time" in line for line in lines)
+
+
+def test_the_fit_estimate_counts_weight_hidden_their_grads_and_the_baseline_logits():
+    s = st.Setting(op="logprobs_from_hidden", device="cpu", dtype="bfloat16", shape=(4, 1024, 131072),
+                   hidden_size=4096, backward=True)
+    parts = fit.estimate_bytes(s)
+    n, v, h = 4 * 1024, 131072, 4096
+    assert parts["weight"] == v * h * 2 and parts["hidden"] == n * h * 2 and parts["labels"] == n * 8
+    assert parts["gradients"] == (v * h + n * h) * 2
+    assert parts["baseline logits"] == 2 * n * v * 2
+    assert parts["float64 reference"] >= 3 * v * h * 8  # the weight, its gradient, one product
+    forward = fit.estimate_bytes(st.Setting(**dict(s.to_args(), backward=False)))
+    assert forward["gradients"] == 0 and forward["baseline logits"] == n * v * 2
+    need = sum(parts.values())
+    fixed = sum(fit.estimate_bytes(st.Setting(**dict(s.to_args(), shape=(1, 1, v)))).values())
+    assert fixed > 3 * v * h * 8  # the weight's parts stay whatever the number of tokens
+    message = fit.refusal(s, (need + fixed) // 2, "test")
+    assert "needs about" in message and "weight" in message and "Try --shape" in message
+    b, t, _ = fit.suggest(s, (need + fixed) // 2)
+    assert b * t < 4 * 1024
+    # a weight that alone does not fit: no shape helps
+    assert "try a smaller vocabulary or hidden size" in fit.refusal(s, v * h * 2, "test")
+
+
+def test_a_hidden_shape_that_cannot_fit_is_refused(capsys, nothing_runs):
+    rc = main(["bench", "--device", "cpu", "--op", "logprobs_from_hidden", "--shape", "64,65536,262144",
+               "--hidden-size", "16384", "--backward"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "needs about" in err and "weight" in err and "baseline logits" in err
+
+
+def test_options_are_checked_in_the_engine():
+    with pytest.raises(BenchError, match="--repeat must be an integer of at least 1"):
+        Options(repeat=0).check()
+    with pytest.raises(BenchError, match="--timeout must be a positive number of seconds"):
+        Options(timeout=float("inf")).check()
+    with pytest.raises(BenchError, match="give --shape or --preset, not both"):
+        Options(shape=(1, 2, 3), preset="small").check()
+    Options(timeout=None).check()  # no limit, from Python
+    from logprob_registry.benchmark.session import settings
+
+    made = settings(Options(ops=["logprobs,logprobs_from_hidden"], preset="verl", dtypes=["bf16"]), "cpu")
+    assert [(s.op, s.dtype, s.shape, s.hidden_size) for s in made] == [
+        ("logprobs", "bfloat16", (16, 1024, 32768), None),
+        ("logprobs_from_hidden", "bfloat16", (16, 1024, 32768), 4096)]
+    made = settings(Options(ops=["logprobs_from_hidden"], shape="2,8,64"), "cpu")
+    assert made[0].hidden_size == st.DEFAULT_HIDDEN_SIZE
 
 
 # ------------------------------------------------------------------ the pieces, in process
@@ -134,7 +279,8 @@ def test_rounds_interleave_methods_and_pool_their_times(monkeypatch):
             return dict(error="RuntimeError: no")
         if what == "mem":
             return dict(peak_bytes=100 if method == "baseline" else 50)
-        return dict(times_s=[0.2 if method == "baseline" else 0.1] * 2, max_abs_diff=0.0, max_abs_diff_grad=None)
+        return dict(times_s=[0.2 if method == "baseline" else 0.1] * 2, cpu_times_s=[0.1] * 2, max_abs_diff=0.0,
+                    max_abs_diff_grad=None)
 
     monkeypatch.setattr(measure, "run_child", fake_child)
     s = st.Setting(op="logprobs", device="cpu", dtype="float32", shape=(2, 4, 16), repeat=2)
@@ -146,12 +292,13 @@ def test_rounds_interleave_methods_and_pool_their_times(monkeypatch):
         ("time", "baseline"), ("time", "fast")]
     base, fast, bad = results
     assert len(fast["times_s"]) == 6 and fast["speedup"] == pytest.approx(2.0) and fast["memory_ratio"] == 0.5
+    assert fast["cpu_time_median_s"] == 0.1 and fast["bandwidth_bytes_per_s"] == pytest.approx(2 * 4 * 16 * 4 / 0.1)
     assert bad["status"] == "failed" and bad["error"] == "RuntimeError: no" and bad["speedup"] is None
     assert "FAILED: RuntimeError: no" in lines
 
 
 def test_presets_and_shapes():
-    assert st.PRESETS["verl"] == ((16, 1024, 32768), "float32", False, st.PRESETS["verl"].what)
+    assert st.PRESETS["verl"] == ((16, 1024, 32768), "float32", False, st.PRESETS["verl"].what, 4096)
     assert st.PRESETS["trlx"][:3] == ((32, 2048, 64000), "float16", True)
     assert st.parse_shape("4x1024x32768") == (4, 1024, 32768)
     with pytest.raises(ValueError, match="three positive integers"):
@@ -160,42 +307,51 @@ def test_presets_and_shapes():
 
 def test_suggestion_fits_and_refusal_gives_numbers():
     s = st.Setting(op="logprobs", device="cpu", dtype="float32", shape=(16, 1024, 32768), backward=True)
-    need = sum(st.estimate_bytes(s).values())
-    assert st.refusal(s, need, "test") is None
-    message = st.refusal(s, need // 3, "test")
+    need = sum(fit.estimate_bytes(s).values())
+    assert fit.refusal(s, need, "test") is None
+    message = fit.refusal(s, need // 3, "test")
     assert "needs about" in message and "Try --shape" in message
-    b, t, v = st.suggest(s, need // 3)
+    b, t, v = fit.suggest(s, need // 3)
     assert (t, v) == (1024, 32768) and b < 16
-    assert sum(st.estimate_bytes(st.Setting(**dict(s.to_args(), shape=(b, t, v)))).values()) <= need // 3
+    assert sum(fit.estimate_bytes(st.Setting(**dict(s.to_args(), shape=(b, t, v)))).values()) <= need // 3
 
 
-@pytest.mark.parametrize("op", st.BENCH_OPS)
+def test_the_bench_reads_its_ops_from_the_op_table():
+    assert st.bench_ops() == tuple(lr.opspec.OPS)  # every op's inputs are ones the bench can make
+    assert [st.uses_hidden_size(op) for op in st.bench_ops()] == [op == "logprobs_from_hidden" for op in st.bench_ops()]
+
+
+@pytest.mark.parametrize("op", st.bench_ops())
 @pytest.mark.parametrize("backward", [False, True])
 def test_workload_matches_the_reference(op, backward):
-    s = st.Setting(op=op, device="cpu", dtype="bfloat16", shape=(2, 5, 33), sliced=True, backward=backward)
+    hidden = 8 if st.uses_hidden_size(op) else None
+    s = st.Setting(op=op, device="cpu", dtype="bfloat16", shape=(2, 5, 33), hidden_size=hidden, sliced=True,
+                   backward=backward)
     for name, tol in (("naive", 1e-5), ("baseline", 1e-1)):
         w = Workload(s, name)
         outs = w.run(w.prepare())
-        diff, grad_diff = max_differences(s, w.logits, w.labels, outs, w.grad())
-        assert 0 <= diff < tol and (grad_diff is None) == (not backward)
-        if backward:
-            assert 0 < grad_diff < 1e-1  # bfloat16 gradients are rounded
+        diff, grad_diffs = max_differences(s, w.inputs, outs, w.grads())
+        assert 0 <= diff < tol and len(outs) == len(s.outputs)
+        wanted = set() if not backward else {"hidden", "weight"} if hidden else {"logits"}
+        assert set(grad_diffs) == set(s.grad_inputs) == wanted
+        assert all(0 < d < 1e-1 for d in grad_diffs.values())  # bfloat16 gradients are rounded
     # the textbook baseline in bfloat16 is visibly worse than float32 accumulation
-    assert max_differences(s, w.logits, w.labels, w.run(w.prepare()), None)[0] > 1e-4
+    assert max_differences(s, w.inputs, w.run(w.prepare()))[0] > 1e-4
 
 
 def test_children_measure_in_process(capsys):
     s = st.Setting(op="logprobs", device="cpu", dtype="float32", shape=(2, 4, 16), repeat=3, warmup=1)
     for what in ("time", "mem"):
         child.main([json.dumps(dict(what=what, setting=s.to_args(), method="naive", plugins=[]))])
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith(child.MARKER)]
-    timed, mem = (json.loads(l[len(child.MARKER):]) for l in lines)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(child.MARKER)]
+    timed, mem = (json.loads(line[len(child.MARKER):]) for line in lines)
     assert len(timed["times_s"]) == 3 and timed["max_abs_diff"] < 1e-6 and timed["max_abs_diff_grad"] is None
+    assert len(timed["cpu_times_s"]) == 3 and timed["max_abs_diff_grads"] == {}
     assert mem["peak_bytes"] >= 0
 
 
 def test_a_child_reports_an_error_as_json(capsys):
     s = st.Setting(op="logprobs", device="cpu", dtype="float32", shape=(2, 4, 16))
     child.main([json.dumps(dict(what="time", setting=s.to_args(), method="no-such-backend", plugins=[]))])
-    line = [l for l in capsys.readouterr().out.splitlines() if l.startswith(child.MARKER)][-1]
+    line = [text for text in capsys.readouterr().out.splitlines() if text.startswith(child.MARKER)][-1]
     assert "no backend named 'no-such-backend'" in json.loads(line[len(child.MARKER):])["error"]

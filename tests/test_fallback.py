@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import logprob_registry as lr
-from logprob_registry.eligibility import Key
+from logprob_registry.registry import Key
 
 calls = []
 
 
-def failing(logits, labels=None, **kwargs):
-    calls.append("test-flaky")
+def failing(logits, labels=None, name="test-flaky", **kwargs):
+    calls.append(name)
     raise RuntimeError("kernel exploded")
 
 
@@ -45,9 +45,12 @@ def test_automatic_choice_falls_back_with_one_warning(flaky):
     logits, labels = inputs()
     fallback = [c.name for c in lr.explain("logprobs", device="cpu").candidates if c.eligible][1]  # next after test-flaky
     assert lr.select("logprobs", device="cpu").name == "test-flaky"
-    with pytest.warns(lr.BackendFallbackWarning) as record:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
         out = lr.logprobs_from_logits(logits, labels)
+    record = [w for w in record if issubclass(w.category, lr.BackendFallbackWarning)]
     assert len(record) == 1
+    assert record[0].filename == __file__, "the warning points at the caller's line"
     message = str(record[0].message)
     assert "backend 'test-flaky' failed for logprobs on cpu float32 tensors (RuntimeError: kernel exploded)" in message
     assert f"using {fallback!r} instead" in message
@@ -55,7 +58,7 @@ def test_automatic_choice_falls_back_with_one_warning(flaky):
     torch.testing.assert_close(out, expected)
     # Marked broken for that key: no second attempt, no second warning.
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", lr.BackendFallbackWarning)
         lr.logprobs_from_logits(logits, labels)
     assert calls == ["test-flaky"]
     report = lr.explain("logprobs", device="cpu")
@@ -66,6 +69,34 @@ def test_automatic_choice_falls_back_with_one_warning(flaky):
     with pytest.warns(lr.BackendFallbackWarning):
         lr.logprobs_from_logits(logits.double(), labels)
     assert calls == ["test-flaky", "test-flaky"]
+    # reset() forgets the marks: the backend is tried again.
+    flaky.reset()
+    assert lr.explain("logprobs", device="cpu")["test-flaky"].status == "chosen"
+
+
+def test_the_last_eligible_backend_is_never_marked_broken():
+    """With nothing to fall back to, the backend's own error reaches the caller and nothing is
+    marked: the next call tries it again instead of raising NoEligibleBackendError for good."""
+    calls.clear()
+
+    class Alone:
+        @lr.hookimpl
+        def register_backends(self, register):
+            register(lr.Backend(name="test-alone", ops={"entropy": lambda x, **kw: failing(x, name="test-alone")},
+                                devices={"my_accel"}))
+
+    from logprob_registry.environment import Environment
+    from logprob_registry.registry import Registry
+
+    reg = Registry(builtins=(), entry_points=False,
+                   environment=Environment.fake(torch="2.6.0", devices={"my_accel": 1}))
+    reg.add_plugin(Alone(), name="alone")
+    key = Key("entropy", "my_accel", torch.float32, False)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="kernel exploded"):
+            reg.call(key, None, (torch.zeros(2, 3),), {"temperature": 1.0})
+    assert calls == ["test-alone"] * 2
+    assert reg.broken() == {}
 
 
 def test_explicit_choice_raises_instead(flaky, monkeypatch):
@@ -90,6 +121,19 @@ def test_bad_input_never_triggers_a_fallback(flaky):
         with pytest.raises(ValueError, match="out of range"):
             lr.logprobs_from_logits(logits, labels + 100)
     assert calls == []
+
+
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
+                 "you tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)"),
+    RuntimeError("NPU out of memory. Tried to allocate 1.00 GiB"),
+])
+def test_out_of_memory_on_any_device_is_not_a_backend_fault(error):
+    from logprob_registry.registry import caller_fault
+
+    assert caller_fault(error) == "out of memory"
+    assert caller_fault(RuntimeError("kernel exploded")) is None
 
 
 def test_out_of_memory_is_not_a_backend_fault():

@@ -8,7 +8,7 @@ import torch
 
 import logprob_registry as lr
 from logprob_registry.cli import main
-from logprob_registry.eligibility import Key
+from logprob_registry.registry import Key
 from logprob_registry.registry import Registry
 
 
@@ -85,7 +85,9 @@ def test_a_failing_builtin_module_is_reported():
     (dict(name="x", ops={"logprob": _op}), r"declares unknown ops \['logprob'\]"),
     (dict(name="x", ops={}), "implements no op"),
     (dict(name="x", ops={"logprobs": 3}), "is 3, not a callable"),
-    (dict(name="x", ops={"logprobs": _op}, devices={"gpu"}), r"unknown device types \['gpu'\]"),
+    (dict(name="x", ops={"logprobs": _op}, devices={"GPU 0"}), r"devices must be device types such as 'cpu'"),
+    (dict(name="x", ops={"logprobs": _op}, requires=("triton>=>3",)), r"requires entry 'triton>=>3' is not a requirement"),
+    (dict(name="x", ops={"logprobs": _op}, features={"warp-drive"}), r"declares unknown features \['warp-drive'\]"),
     (dict(name="x", ops={"logprobs": _op}, torch="2.4"), "is not a version specifier such as '>=2.4'"),
     (dict(name="x", ops={"logprobs": _op}, dtypes={torch.int64}), "dtypes must be floating torch dtypes"),
 ])
@@ -119,3 +121,41 @@ def test_import_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[0] == "[]"
     assert out[1] == lr.select("logprobs", device="cpu").name
+
+
+def test_deprecated_keywords_still_work_with_a_warning():
+    """triton=SPEC, available_on=f(env, device) and a one-argument available=f(env) keep working
+    for one release, each with a DeprecationWarning naming the replacement."""
+    from logprob_registry.environment import Environment
+
+    with pytest.warns(DeprecationWarning, match=r'use requires=\("triton>=3.0",\)'):
+        old_triton = lr.Backend(name="old-triton", ops={"logprobs": _op}, devices={"cuda"}, triton=">=3.0",
+                                requires=("triton",))
+    assert old_triton.requires == ("triton>=3.0",)
+    with pytest.warns(DeprecationWarning, match=r"use available=f\(environment, device_type\)"):
+        old_on = lr.Backend(name="old-on", ops={"logprobs": _op}, devices={"cpu", "cuda"},
+                            available_on=lambda env, device: "no CUDA here" if device == "cuda" else None)
+    with pytest.warns(DeprecationWarning, match=r"Backend\(available=f\(environment\)\) is deprecated"):
+        old_one = lr.Backend(name="old-one", ops={"logprobs": _op}, available=lambda env: "never")
+
+    class P:
+        @lr.hookimpl
+        def register_backends(self, register):
+            for b in (old_triton, old_on, old_one):
+                register(b)
+
+    reg = Registry(builtins=(), entry_points=False,
+                   environment=Environment.fake(torch="2.6.0", devices={"cuda": 1}, triton="2.9"))
+    reg.add_plugin(P(), name="p")
+    cuda = reg.explain(Key("logprobs", "cuda", torch.float32, False))
+    assert cuda["old-triton"].reason == "needs triton>=3.0, found 2.9"
+    assert cuda["old-on"].reason == "no CUDA here"
+    cpu = reg.explain(Key("logprobs", "cpu", torch.float32, False))
+    assert cpu.chosen == "old-on" and cpu["old-one"].reason == "never"
+
+
+def test_backend_repr_is_one_short_line():
+    text = repr(lr.get_registry().get("chunked"))
+    assert "\n" not in text and len(text) < 300
+    assert text.startswith("<Backend 'chunked' priority=10 ops=[")
+    assert "from builtin:chunked" in text

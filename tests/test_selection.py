@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import logprob_registry as lr
-from logprob_registry.eligibility import Key
+from logprob_registry.registry import Key
 from logprob_registry.environment import Environment
 from logprob_registry.registry import NoEligibleBackendError, Registry
 
@@ -22,19 +22,42 @@ class LikeBuiltins:
         register(lr.Backend(name="portable", ops=ops, devices={"cpu", "cuda", "npu"}, priority=0))
         register(lr.Backend(name="chunky", ops=ops, devices={"cpu", "cuda", "npu", "xpu", "mps"}, priority=10))
         register(lr.Backend(name="kernel", ops=ops, devices={"cuda"}, priority=30, torch=">=2.4",
-                            triton=">=3.0", requires=("triton",),
-                            dtypes={torch.float16, torch.bfloat16, torch.float32}))
+                            requires=("triton>=3.0",), dtypes={torch.float16, torch.bfloat16, torch.float32}))
         register(lr.Backend(name="ascend", ops={"logprobs": _op}, devices={"npu"}, priority=15,
                             requires=("torch_npu",), autograd=False))
         register(lr.Backend(name="modern", ops=ops, devices={"cpu", "cuda"}, priority=20, torch=">=2.5"))
 
 
-@pytest.fixture
-def registry(fake_env):
-    reg = Registry(builtins=(), entry_points=False)
-    reg.add_plugin(LikeBuiltins(), name="like-builtins")
-    reg.install_env = fake_env
+class _Env:
+    """The environment a test registry sees: replaced by ``install``, read at every selection."""
+
+    def __init__(self):
+        self.env = Environment.fake(torch="2.6.0")
+
+    def __call__(self):
+        return self.env
+
+
+def make_registry(*plugins, env=None):
+    """A registry of only these plugins, in its own (fake) environment: no global is touched."""
+    source = _Env()
+    reg = Registry(builtins=(), entry_points=False, environment=source)
+    if env is not None:
+        source.env = env
+    for i, plugin in enumerate(plugins):
+        reg.add_plugin(plugin, name=f"plugin-{i}")
+
+    def install(new_env):
+        source.env = new_env
+        return new_env
+
+    reg.install_env = install
     return reg
+
+
+@pytest.fixture
+def registry():
+    return make_registry(LikeBuiltins())
 
 
 def verdicts(reg, key):
@@ -108,11 +131,10 @@ def test_torch_below_specifier(registry):
     assert why["modern"] == "needs torch>=2.5, found 2.1.0"
 
 
-def test_ties_broken_by_name_not_registration_order(fake_env):
-    fake_env(Environment.fake(torch="2.6.0"))
+def test_ties_broken_by_name_not_registration_order():
     names = []
     for order in (("b-twin", "a-twin"), ("a-twin", "b-twin")):
-        reg = Registry(builtins=(), entry_points=False)
+        reg = make_registry()
         for name in order:
             plugin = type("P", (), {"register_backends": lr.hookimpl(
                 lambda self, register, name=name: register(lr.Backend(name=name, ops={"logprobs": _op}, priority=5)))})()
@@ -121,10 +143,9 @@ def test_ties_broken_by_name_not_registration_order(fake_env):
     assert names == ["a-twin", "a-twin"]
 
 
-def test_availability_check_reason(fake_env):
-    fake_env(Environment.fake(torch="2.6.0", devices={"cuda": 1}, capability=(7, 0)))
-
-    def needs_hopper(env):
+def test_availability_check_reason():
+    def needs_hopper(env, device_type):
+        assert device_type == "cuda"
         return None if env.cuda_capability >= (9, 0) else f"needs CUDA capability 9.0, found {env.cuda_capability[0]}.{env.cuda_capability[1]}"
 
     class P:
@@ -133,17 +154,91 @@ def test_availability_check_reason(fake_env):
             register(lr.Backend(name="hopper", ops={"logprobs": _op}, devices={"cuda"}, priority=9, available=needs_hopper))
             register(lr.Backend(name="any", ops={"logprobs": _op}, devices={"cuda"}))
 
-    reg = Registry(builtins=(), entry_points=False)
-    reg.add_plugin(P(), name="p")
+    reg = make_registry(P(), env=Environment.fake(torch="2.6.0", devices={"cuda": 1}, capability=(7, 0)))
     chosen, why = verdicts(reg, Key("logprobs", "cuda", torch.float32, False))
     assert (chosen, why) == ("any", {"hopper": "needs CUDA capability 9.0, found 7.0"})
 
 
-def test_selection_is_cached_per_key(registry):
-    registry.install_env(Environment.fake(torch="2.6.0"))
+def test_selection_is_cached_per_key_and_environment(registry):
     key = Key("logprobs", "cpu", torch.float32, False)
+    calls = []
+    original = registry._dispatcher.verdicts
+    registry._dispatcher.verdicts = lambda k: calls.append(k) or original(k)
     assert registry.select(key) is registry.select(key)
-    assert key in registry._cache
+    assert calls == [key]
+    registry.install_env(Environment.fake(torch="2.1.0"))  # a new environment: chosen again
+    assert registry.select(key).name == "chunky"
+    assert calls == [key, key]
+
+
+def test_a_transient_availability_failure_is_not_cached():
+    """An availability check that raises (say, a module half imported by another thread) says so in
+    explain, and the next selection asks again instead of keeping the answer for the process."""
+    state = {"raise": True}
+
+    def flaky(env, device_type):
+        if state["raise"]:
+            raise AttributeError("module 'torch._dynamo' has no attribute 'config'")
+        return None
+
+    class P:
+        @lr.hookimpl
+        def register_backends(self, register):
+            register(lr.Backend(name="flaky", ops={"logprobs": _op}, priority=9, available=flaky))
+            register(lr.Backend(name="steady", ops={"logprobs": _op}, priority=1))
+
+    reg = make_registry(P())
+    key = Key("logprobs", "cpu", torch.float32, False)
+    assert reg.explain(key)["flaky"].reason == (
+        "its availability check raised AttributeError: module 'torch._dynamo' has no attribute 'config'")
+    assert reg.select(key).name == "steady"
+    state["raise"] = False
+    assert reg.select(key).name == "flaky"
+    assert reg.select(key, backend="flaky").name == "flaky"
+
+
+def test_any_device_type_and_requirement_strings_with_reasons():
+    """A backend for a device type torch can name but the registry never heard of (hpu, a
+    PrivateUse1 backend) registers and is ranked like any other; an unmet PEP 508 requirement is
+    named in explain."""
+
+    class P:
+        @lr.hookimpl
+        def register_backends(self, register):
+            register(lr.Backend(name="gaudi", ops={"logprobs": _op}, devices={"hpu"}, priority=40,
+                                requires=("habana_frameworks",)))
+            register(lr.Backend(name="future", ops={"logprobs": _op}, devices={"cpu", "hpu"}, priority=30,
+                                requires=("packaging>=999",)))
+            register(lr.Backend(name="met", ops={"logprobs": _op}, devices={"cpu", "hpu"}, priority=20,
+                                requires=("packaging>=20", "pluggy")))
+            register(lr.Backend(name="custom", ops={"logprobs": _op}, devices={"my_accel"}, priority=10))
+
+    reg = make_registry(P(), env=Environment.fake(torch="2.6.0", devices={"hpu": 8},
+                                                  distributions={"packaging": "24.1", "pluggy": "1.6.0"}))
+    report = reg.explain(Key("logprobs", "hpu", torch.bfloat16, False))
+    assert report.chosen == "met"
+    assert report["gaudi"].reason == "habana_frameworks is not installed"
+    assert report["future"].reason == "needs packaging>=999, found 24.1"
+    assert report["custom"].reason == "runs on my_accel, not hpu"
+    assert "needs packaging>=999, found 24.1" in str(report)
+    assert reg.explain(Key("logprobs", "my_accel", torch.float32, False))["custom"].reason == "no MY_ACCEL device"
+    # the real registry, on this machine: the real packaging is older than 999
+    real = Registry(builtins=(), entry_points=False)
+    real.add_plugin(P(), name="p")
+    assert real.explain(Key("logprobs", "cpu", torch.float32, False))["future"].reason.startswith(
+        "needs packaging>=999, found ")
+
+
+def test_untested_versions_can_be_waived_by_name(registry, monkeypatch):
+    """LOGPROB_REGISTRY_UNTESTED_VERSIONS lets a named backend run outside the versions it declares
+    (to test it there), never without what it requires."""
+    registry.install_env(Environment.fake(torch="2.1.0", devices={"cuda": 1}, triton="2.3.1"))
+    key = Key("logprobs", "cuda", torch.float32, False)
+    assert verdicts(registry, key)[1]["kernel"] == "needs torch>=2.4, found 2.1.0"
+    monkeypatch.setenv("LOGPROB_REGISTRY_UNTESTED_VERSIONS", "kernel, modern")
+    assert verdicts(registry, key)[0] == "kernel"
+    registry.install_env(Environment.fake(torch="2.1.0", devices={"cuda": 1}, triton=None))
+    assert verdicts(registry, key)[1]["kernel"] == "triton is not installed"
 
 
 def test_no_eligible_backend_error_lists_the_table(registry):
@@ -180,7 +275,8 @@ def test_explicit_choice_precedence(registry, monkeypatch):
 
 
 def test_dispatch_follows_the_tensor(fake_env):
-    """A CPU tensor on a CUDA machine goes to a CPU backend; bf16 with gradients to an autograd one."""
+    """A CPU tensor on a CUDA machine goes to a CPU backend; bf16 with gradients to an autograd one
+    (through the public functions, so the process-wide environment is faked here)."""
     fake_env(Environment.fake(torch="2.6.0", devices={"cuda": 1}, triton="3.1.0"))
     calls = []
 

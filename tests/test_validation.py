@@ -128,3 +128,47 @@ def test_good_input_reaches_the_backend():
     with pytest.raises(AssertionError, match="validation should have stopped"):
         lr.logprobs_from_logits(logits, labels, backend="test-spy")
     ran.clear()
+
+
+def test_select_and_explain_arguments():
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype such as torch.bfloat16, got 'float32'"):
+        lr.select(dtype="float32")
+    with pytest.raises(ValueError, match="unknown op 'logprob'; ops: logprobs, entropy"):
+        lr.explain("logprob")
+    with pytest.raises(ValueError, match="device must be a device type such as 'cpu'"):
+        lr.explain(device="GPU zero")
+    # device types this machine lacks, even ones torch cannot parse without their extension
+    assert lr.explain(device="npu:3").key.device == "npu"
+    assert lr.explain(device="hpu").chosen is None
+    assert lr.explain(device=torch.device("cpu")).key.device == "cpu"
+
+
+@pytest.mark.parametrize("call", ["logprobs", "entropy", "both"])
+def test_an_empty_vocabulary_is_refused_before_dispatch(call):
+    """V = 0 used to reach every backend in turn, each raising, each marked broken: from then on
+    every valid call of the process raised NoEligibleBackendError."""
+    logits, labels = torch.randn(3, 0), torch.full((3,), -100)
+    with pytest.raises(ValueError, match=r"logits of shape \([03], 0\) have an empty vocabulary \(V = 0\)"):
+        if call == "logprobs":
+            lr.logprobs_from_logits(logits, labels, ignore_index=-100)
+        elif call == "entropy":
+            lr.entropy_from_logits(logits)
+        else:
+            lr.logprobs_and_entropy(torch.randn(0, 0), torch.zeros(0, dtype=torch.long))
+    assert lr.get_registry().broken() == {}
+
+
+def test_hidden_size_or_vocabulary_of_zero_is_refused_before_dispatch():
+    labels = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"hidden size is 0 \(hidden \(4, 0\), weight \(9, 0\)\)"):
+        lr.logprobs_from_hidden(torch.randn(4, 0), torch.randn(9, 0), labels)
+    with pytest.raises(ValueError, match=r"weight of shape \(0, 8\) has an empty vocabulary"):
+        lr.logprobs_from_hidden(torch.randn(4, 8), torch.randn(0, 8), labels - 100, ignore_index=-100)
+    assert lr.get_registry().broken() == {}
+
+
+def test_meta_tensors_and_huge_ignore_index_get_sentences():
+    with pytest.raises(ValueError, match="logits is on the meta device, which holds no values"):
+        lr.logprobs_from_logits(torch.empty(2, 5, device="meta"), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"ignore_index=1180591620717411303424 does not fit in int64"):
+        lr.logprobs_from_logits(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), ignore_index=2**70)

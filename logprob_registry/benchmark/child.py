@@ -3,8 +3,9 @@
 One child measures one method for one setting, so that a method's compiled caches, allocator
 state or crash never touch the next one. It prints one line, ``MARKER`` followed by JSON:
 
-- ``time``: times of ``repeat`` calls after ``warmup`` calls (device synchronised around each),
-  the largest differences from float64, and on an accelerator the allocator's peak above the
+- ``time``: wall and process CPU times of ``repeat`` calls after ``warmup`` calls (device
+  synchronised around each), the largest differences from float64 (of the outputs, and of the
+  gradient of each input that gets one), and on an accelerator the allocator's peak above the
   inputs (reset before each measured call).
 - ``mem`` (CPU): the peak resident memory above the resident memory just before a call. The
   parent starts this child with ``MALLOC_MMAP_THRESHOLD_`` pinned, so that glibc returns freed
@@ -18,6 +19,7 @@ An exception becomes ``{"error": "Type: message"}``.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -46,43 +48,52 @@ def _load_plugins(specs) -> None:
     register_plugins(specs)
 
 
-def measure_time(spec: dict) -> dict:
+def _workload(spec: dict):
+    import torch
+
     from .settings import Setting
-    from .workload import Workload, max_differences
+    from .workload import Workload
 
     s = Setting(**spec["setting"])
-    w = Workload(s, spec["method"])
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    return s, Workload(s, spec["method"])
+
+
+def measure_time(spec: dict) -> dict:
+    from .workload import max_differences
+
+    s, w = _workload(spec)
     sync = _sync(s.device_type)
     for _ in range(s.warmup):
         w.run(w.prepare())
         w.release()
-    times = []
+    times, cpu_times = [], []
     for _ in range(s.repeat):
         x = w.prepare()
         sync()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         w.run(x)
         sync()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
         w.release()
-    out = dict(times_s=times)
+    out = dict(times_s=times, cpu_times_s=cpu_times)
     acc = _accelerator(s.device_type)
     if acc is not None:
         out["peak_bytes"] = _peak_bytes(w, s.device)
     x = w.prepare()
     outs = w.run(x)
     out["result_dtype"] = str(outs[0].dtype).replace("torch.", "")
-    diff, grad_diff = max_differences(s, w.logits, w.labels, outs, w.grad())
-    out.update(max_abs_diff=diff, max_abs_diff_grad=grad_diff)
+    diff, grad_diffs = max_differences(s, w.inputs, outs, w.grads())
+    first = s.grad_inputs[0] if s.grad_inputs else None
+    out.update(max_abs_diff=diff, max_abs_diff_grad=grad_diffs.get(first) if first else None,
+               max_abs_diff_grads=grad_diffs)
     return out
 
 
 def measure_memory(spec: dict) -> dict:
-    from .settings import Setting
-    from .workload import Workload
-
-    s = Setting(**spec["setting"])
-    w = Workload(s, spec["method"])
+    s, w = _workload(spec)
     for _ in range(s.warmup):
         w.run(w.prepare())
         w.release()
@@ -97,10 +108,9 @@ def _peak_bytes(w, device) -> int:
 
     peak = 0
     for _ in range(MEMORY_REPEAT):
-        x = w.prepare()
-        outs, extra = peak_extra_bytes(lambda: w.run(x), device)
+        outs, extra = peak_extra_bytes(functools.partial(w.run, w.prepare()), device)
         peak = max(peak, extra)
-        del outs, x
+        del outs
         w.release()
     return peak
 

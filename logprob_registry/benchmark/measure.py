@@ -59,7 +59,7 @@ def run_child(what: str, s: Setting, method: str, plugins: Sequence[str], timeou
         )
     except subprocess.TimeoutExpired:
         return dict(error=f"timed out after {timeout:g} s (raise --timeout)")
-    answer = [l for l in p.stdout.splitlines() if l.startswith(MARKER)]
+    answer = [line for line in p.stdout.splitlines() if line.startswith(MARKER)]
     if answer:
         return json.loads(answer[-1][len(MARKER):])
     tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or [""]
@@ -67,17 +67,21 @@ def run_child(what: str, s: Setting, method: str, plugins: Sequence[str], timeou
     return dict(error=f"child process exited with code {p.returncode}{killed}: {tail[0]}".rstrip(": "))
 
 
-def time_stats(times: List[float]) -> dict:
+def time_stats(times: List[float], cpu_times: List[float], traffic: Optional[int]) -> dict:
     q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else (times[0],) * 3
+    median = statistics.median(times)
     return dict(
-        time_median_s=statistics.median(times), time_iqr_s=q3 - q1,
+        time_median_s=median, time_iqr_s=q3 - q1,
         time_min_s=min(times), time_max_s=max(times), times_s=times,
+        cpu_time_median_s=statistics.median(cpu_times) if cpu_times else None,
+        bandwidth_bytes_per_s=traffic / median if traffic and median > 0 else None,
     )
 
 
 EMPTY = dict(time_median_s=None, time_iqr_s=None, time_min_s=None, time_max_s=None, times_s=[],
-             peak_bytes=None, max_abs_diff=None, max_abs_diff_grad=None, result_dtype=None,
-             speedup=None, memory_ratio=None)
+             cpu_time_median_s=None, cpu_times_s=[], bandwidth_bytes_per_s=None,
+             peak_bytes=None, max_abs_diff=None, max_abs_diff_grad=None, max_abs_diff_grads=None,
+             result_dtype=None, speedup=None, memory_ratio=None)
 
 
 def add_ratios(results: List[dict]) -> None:
@@ -104,7 +108,7 @@ def run_setting(
     n = len(results)
 
     def fail(r: dict, error: str) -> None:
-        r.update(status="failed", error=error, times_s=[])
+        r.update(status="failed", error=error, times_s=[], cpu_times_s=[])
         progress(f"FAILED: {error}", True)
 
     for k in range(rounds):
@@ -118,7 +122,8 @@ def run_setting(
                 fail(r, timed["error"])
                 continue
             r["times_s"] = r["times_s"] + timed["times_s"]
-            for key in ("max_abs_diff", "max_abs_diff_grad", "result_dtype", "peak_bytes"):
+            r["cpu_times_s"] = r["cpu_times_s"] + timed.get("cpu_times_s", [])
+            for key in ("max_abs_diff", "max_abs_diff_grad", "max_abs_diff_grads", "result_dtype", "peak_bytes"):
                 if key in timed and r[key] is None:
                     r[key] = timed[key]
             progress(f"{fmt_time(statistics.median(timed['times_s']))}", True)
@@ -135,7 +140,7 @@ def run_setting(
             progress(fmt_bytes(r["peak_bytes"]), True)
     for r in results:
         if r["status"] == "ok":
-            r.update(time_stats(r["times_s"]))
+            r.update(time_stats(r["times_s"], r["cpu_times_s"], s.logits_traffic_bytes))
     add_ratios(results)
     return results
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import List
 
 INSTALL_HINT = "--plot needs matplotlib: pip install 'logprob-registry[plot]'"
@@ -25,6 +26,25 @@ def _pyplot():
 def check_available() -> None:
     """Raise RuntimeError with the install hint before any measurement, not after."""
     _pyplot()
+
+
+def formats() -> List[str]:
+    """The file extensions matplotlib writes (png, svg, pdf, ...)."""
+    _pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return sorted(FigureCanvasBase.get_supported_filetypes())
+
+
+def check_path(path: str) -> None:
+    """Raise RuntimeError (no matplotlib) or ValueError (an extension matplotlib does not write)
+    before any measurement, so that a run is never lost at the end."""
+    known = formats()
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    if ext not in known:
+        said = f"extension .{ext}" if ext else "no extension"
+        raise ValueError(f"--plot {path}: {said}; name a file matplotlib can write: "
+                         f"{', '.join('.' + k for k in known)}")
 
 
 def plot(doc: dict, path: str) -> None:

@@ -39,13 +39,19 @@ def fmt_err(x: Optional[float]) -> str:
     return "nan" if math.isnan(x) else f"{x:.1e}"
 
 
+def fmt_bandwidth(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x / 1e9:.0f}"
+
+
 def render_run(run: dict) -> str:
     """One setting's table, with its heading, footnotes and the errors of failed methods."""
     s = run["settings"]
-    backward = s["backward"]
+    grads = list(run.get("grad_inputs") or ([] if not s["backward"] else ["logits"]))
+    bandwidth = s["device_type"] != "cpu" and any(r.get("bandwidth_bytes_per_s") for r in run["results"])
     header = ["method", "time", "IQR", "speed-up", "peak memory", "vs baseline", "max |diff|"]
-    if backward:
-        header.append("max |grad diff|")
+    if bandwidth:
+        header.insert(3, "GB/s")
+    header += ["max |grad diff|"] if len(grads) == 1 else [f"max |{g} grad diff|" for g in grads]
     rows = []
     for r in run["results"]:
         name = r["name"] + (" *" if r.get("automatic_choice") else "")
@@ -54,16 +60,18 @@ def render_run(run: dict) -> str:
             continue
         row = [name, fmt_time(r["time_median_s"]), fmt_time(r["time_iqr_s"]), fmt_ratio(r["speedup"]),
                fmt_bytes(r["peak_bytes"]), fmt_ratio(r["memory_ratio"]), fmt_err(r["max_abs_diff"])]
-        if backward:
-            row.append(fmt_err(r["max_abs_diff_grad"]))
+        if bandwidth:
+            row.insert(3, fmt_bandwidth(r.get("bandwidth_bytes_per_s")))
+        diffs = r.get("max_abs_diff_grads") or ({grads[0]: r.get("max_abs_diff_grad")} if grads else {})
+        row += [fmt_err(diffs.get(g)) for g in grads]
         rows.append(row)
     rounds = run.get("rounds", 1)
     calls = f"{s['repeat']} calls" + (f" x {rounds} interleaved rounds" if rounds > 1 else "")
     lines = [
         run["title"],
         f"time: median of {calls}, each process after {s['warmup']} warm-up calls",
-        "speed-up and memory: against the baseline (the textbook formula in the input dtype); "
-        "max |diff|: against float64",
+        "speed-up and memory: against the baseline (" + run.get("baseline", "the textbook formula in the input dtype")
+        + "); max |diff|: against float64",
         "",
         table(header, rows),
     ]
@@ -73,6 +81,15 @@ def render_run(run: dict) -> str:
         if r["status"] != "ok":
             lines.append(f"FAILED {r['name']}: {r['error']}")
     lines.append(f"peak memory: {run['memory_method']}")
+    if bandwidth:
+        lines.append("GB/s: the bytes the op must move (the logits read once; in backward read again and "
+                     "the gradient written) per second of median time")
+    if "logits" not in s.get("inputs", {"logits": None}):
+        weight_grad = (run.get("input_bytes") or {}).get("weight") if "weight" in grads else None
+        also = (f"; the weight gradient, {fmt_bytes(weight_grad)}, is part of every backward's peak"
+                if weight_grad else "")
+        lines.append(f"the logits this op reduces, {'x'.join(map(str, s['logits_shape']))} in {s['dtype']}, "
+                     f"take {fmt_bytes(run['logits_bytes'])}{also}")
     return "\n".join(lines)
 
 

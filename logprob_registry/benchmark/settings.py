@@ -1,5 +1,10 @@
-"""What one benchmark run measures (op, device, dtype, shape, mode), the presets, and whether it
-fits in the device's memory. No torch import here: the parent decides before any tensor exists."""
+"""What one benchmark table measures (op, device, dtype, shapes, mode), the presets, and how the
+op's inputs are shaped.
+
+The ops and their inputs come from the op table (:data:`logprob_registry.opspec.OPS`): the bench
+knows how to make each *input name* (``logits``, ``labels``, ``hidden``, ``weight``), not each op,
+so an op whose inputs are all in :data:`INPUTS` is benchmarked with no change here.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +12,43 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-# The ops the bench measures: each takes (logits[, labels]).
-BENCH_OPS = ("logprobs", "entropy", "logprobs_and_entropy")
+import torch
 
-DTYPES: Dict[str, Tuple[str, int]] = {  # accepted spelling -> (torch name, bytes per element)
-    "float16": ("float16", 2), "fp16": ("float16", 2), "half": ("float16", 2),
-    "bfloat16": ("bfloat16", 2), "bf16": ("bfloat16", 2),
-    "float32": ("float32", 4), "fp32": ("float32", 4), "float": ("float32", 4),
-    "float64": ("float64", 8), "fp64": ("float64", 8), "double": ("float64", 8),
+from ..dtypes import DTYPE_NAMES, dtype_name
+from ..opspec import OPS, OpSpec
+
+
+class InputKind(NamedTuple):
+    """How the bench makes one input of an op."""
+
+    dims: str      # its shape in the letters B, T (tokens), V (vocabulary), H (hidden size)
+    integer: bool  # int64 labels, not the bench's float dtype
+    doc: str
+
+    @property
+    def per_token(self) -> bool:
+        """Leading dims (B, T): cut to ``[:, :-1]`` (labels: ``[:, 1:]``) with ``--slice``."""
+        return self.dims.startswith("BT")
+
+
+INPUTS: Dict[str, InputKind] = {
+    "logits": InputKind("BTV", False, "scaled by 3, so that the softmax is peaked as a model's is"),
+    "labels": InputKind("BT", True, "uniform over the vocabulary"),
+    "hidden": InputKind("BTH", False, "standard normal"),
+    "weight": InputKind("VH", False, "normal, scaled by 3/sqrt(H) so that the logits are like --op logprobs' inputs"),
 }
+
+DEFAULT_HIDDEN_SIZE = 2048
+
+
+def bench_ops() -> Tuple[str, ...]:
+    """The ops of the op table whose every input the bench can make."""
+    return tuple(name for name, spec in OPS.items() if set(spec.inputs) <= set(INPUTS))
+
+
+def uses_hidden_size(op: str) -> bool:
+    """Whether one of ``op``'s inputs has the hidden size H in its shape."""
+    return any("H" in INPUTS[i].dims for i in OPS[op].inputs if i in INPUTS)
 
 
 class Preset(NamedTuple):
@@ -23,13 +56,14 @@ class Preset(NamedTuple):
     dtype: str
     sliced: bool
     what: str
+    hidden_size: int = DEFAULT_HIDDEN_SIZE  # for ops taking hidden states
 
 
 PRESETS: Dict[str, Preset] = {
     "small": Preset((2, 512, 32000), "float32", False, "the default: a laptop CPU runs it in seconds"),
-    "verl": Preset((16, 1024, 32768), "float32", False, "verl's seed benchmark: 16x1024x32768 fp32"),
+    "verl": Preset((16, 1024, 32768), "float32", False, "verl's seed benchmark: 16x1024x32768 fp32", 4096),
     "trlx": Preset((32, 2048, 64000), "float16", True,
-                   "trlx's seed benchmark: 32x2048x64000 fp16, logits[:, :-1] against labels[:, 1:]"),
+                   "trlx's seed benchmark: 32x2048x64000 fp16, logits[:, :-1] against labels[:, 1:]", 4096),
 }
 DEFAULT_PRESET = "small"
 
@@ -41,19 +75,22 @@ REFERENCE_CHUNK_ELEMENTS = 1 << 23
 class Setting:
     """One table of the benchmark: every method run on the same inputs.
 
-    ``shape`` is the logits tensor allocated; with ``sliced`` the methods get ``logits[:, :-1]``
-    and ``labels[:, 1:]`` (a non-contiguous view, as trainers pass it).
+    ``shape`` is the (B, T, V) of the logits the op reduces (given, or formed from hidden states of
+    size ``hidden_size``); with ``sliced`` the methods get ``x[:, :-1]`` of every per-token input
+    and ``labels[:, 1:]`` (non-contiguous views, as trainers pass them).
     """
 
     op: str
     device: str
     dtype: str
     shape: Tuple[int, int, int]
+    hidden_size: Optional[int] = None  # set for ops with a hidden input, None otherwise
     sliced: bool = False
     backward: bool = False
     inplace_backward: bool = False
     repeat: int = 5
     warmup: int = 2
+    threads: Optional[int] = None  # torch threads in each child; None: torch's default
     preset: Optional[str] = None
     seed: int = 0
 
@@ -61,18 +98,67 @@ class Setting:
         object.__setattr__(self, "shape", tuple(self.shape))
 
     @property
+    def spec(self) -> OpSpec:
+        return OPS[self.op]
+
+    @property
     def device_type(self) -> str:
         return self.device.split(":", 1)[0]
 
     @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPE_NAMES[self.dtype]
+
+    @property
     def itemsize(self) -> int:
-        return DTYPES[self.dtype][1]
+        return self.torch_dtype.itemsize
+
+    @property
+    def options(self) -> Dict[str, object]:
+        """The keyword options of every call (the op's defaults otherwise)."""
+        return {"inplace_backward": True} if self.inplace_backward else {}
+
+    @property
+    def outputs(self) -> Tuple[str, ...]:
+        return self.spec.output_names(self.options)
+
+    @property
+    def grad_inputs(self) -> Tuple[str, ...]:
+        """The inputs whose gradients the backward computes (none forward only)."""
+        if not self.backward:
+            return ()
+        return tuple(n for n in self.spec.grad_inputs if n in self.spec.inputs)
+
+    def input_shape(self, name: str, seen: bool = True) -> Tuple[int, ...]:
+        """The shape of input ``name`` as allocated (``seen=False``) or as the methods see it."""
+        b, t, v = self.shape
+        kind = INPUTS[name]
+        size = dict(B=b, T=t, V=v, H=self.hidden_size or 0)
+        shape = tuple(size[d] for d in kind.dims)
+        if seen and self.sliced and kind.per_token:
+            shape = (shape[0], shape[1] - 1) + shape[2:]
+        return shape
+
+    def input_bytes(self, name: str) -> int:
+        n = 1
+        for d in self.input_shape(name, seen=False):
+            n *= d
+        return n * (8 if INPUTS[name].integer else self.itemsize)
 
     @property
     def logits_shape(self) -> Tuple[int, int, int]:
-        """The shape the methods see."""
+        """The shape of the logits the op reduces, as the methods see them."""
         b, t, v = self.shape
         return (b, t - 1, v) if self.sliced else (b, t, v)
+
+    @property
+    def logits_traffic_bytes(self) -> Optional[int]:
+        """The bytes an op given logits must move at least: the logits read once forward; read
+        again and their gradient written backward. None for ops that form their logits."""
+        if "logits" not in self.spec.inputs:
+            return None
+        b, t, v = self.logits_shape
+        return b * t * v * self.itemsize * (3 if self.backward else 1)
 
     @property
     def mode(self) -> str:
@@ -82,9 +168,10 @@ class Setting:
 
     def describe(self) -> str:
         shape = "x".join(map(str, self.shape))
+        hidden = f" H={self.hidden_size}" if self.hidden_size else ""
         where = " sliced [:, :-1]" if self.sliced else ""
         preset = f" (preset {self.preset})" if self.preset else ""
-        return f"{self.op} on {self.device} {self.dtype} {shape}{where}{preset}, {self.mode}"
+        return f"{self.op} on {self.device} {self.dtype} {shape}{hidden}{where}{preset}, {self.mode}"
 
     def to_args(self) -> dict:
         """The fields, as JSON: ``Setting(**s.to_args())`` gives ``s`` back (in a child)."""
@@ -93,7 +180,8 @@ class Setting:
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d.update(shape=list(self.shape), logits_shape=list(self.logits_shape), mode=self.mode,
-                 device_type=self.device_type)
+                 device_type=self.device_type,
+                 inputs={n: list(self.input_shape(n)) for n in self.spec.inputs})
         return d
 
 
@@ -120,69 +208,8 @@ def parse_list(values: List[str], known, what: str) -> List[str]:
     return list(dict.fromkeys(out))
 
 
-# ------------------------------------------------------------------------------------ memory
-def estimate_bytes(s: Setting) -> Dict[str, int]:
-    """A generous estimate of the memory one child needs, by part.
-
-    The workspace is that of the hungriest likely method, the float32 textbook one (``naive``), as
-    measured: a float32 copy of the logits and their log-softmax; in backward, one more float32
-    tensor of that size; for the entropy, one more again.
-    """
-    b, t, v = s.shape
-    n = b * t * v
-    m = s.logits_shape[0] * s.logits_shape[1] * v
-    work_item = max(4, s.itemsize)
-    parts = {
-        "logits": n * s.itemsize,
-        "labels": b * t * 8,
-        "gradient": n * s.itemsize if s.backward else 0,
-        "in-place copy": n * s.itemsize if s.backward and s.inplace_backward else 0,
-        "workspace": m * work_item * ((3 if s.backward else 2) + (s.op != "logprobs")),
-        "float64 reference": min(m, max(v, REFERENCE_CHUNK_ELEMENTS)) * 8 * 6,
-    }
-    return parts
-
-
-def refusal(s: Setting, available: int, source: str) -> Optional[str]:
-    """None when ``s`` fits in ``available`` bytes; else the message that refuses it."""
-    parts = estimate_bytes(s)
-    need = sum(parts.values())
-    if need <= available:
-        return None
-    detail = ", ".join(f"{k} {fmt_gib(x)}" for k, x in parts.items() if x >= 2**20)
-    hint = suggest(s, available)
-    hint = (f" Try --shape {','.join(map(str, hint))}." if hint else
-            " Even one row of this vocabulary does not fit; try a smaller vocabulary.")
-    return (f"{s.describe()} needs about {fmt_gib(need)} ({detail}), but only {fmt_gib(available)} "
-            f"is available on {s.device} ({source}).{hint}")
-
-
-def suggest(s: Setting, available: int) -> Optional[Tuple[int, int, int]]:
-    """The largest shape that fits, halving the batch first and then the sequence length."""
-    b, t, v = s.shape
-    while True:
-        trial = dataclasses.replace(s, shape=(b, t, v))
-        if sum(estimate_bytes(trial).values()) <= available:
-            return (b, t, v)
-        if b > 1:
-            b = max(1, b // 2)
-        elif t > (2 if s.sliced else 1):
-            t = max(2 if s.sliced else 1, t // 2)
-        else:
-            return None
-
-
-def cpu_available_bytes() -> Optional[int]:
-    """MemAvailable from /proc/meminfo, or None where there is no /proc (not Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def fmt_gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def canonical_dtype(name: str) -> str:
+    """``"bf16"`` -> ``"bfloat16"``; a ValueError listing the names for an unknown one."""
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; choose from {', '.join(DTYPE_NAMES)}")
+    return dtype_name(DTYPE_NAMES[name])

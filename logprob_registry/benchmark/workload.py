@@ -1,153 +1,202 @@
 """The measured work, as a child process sees it: the inputs, one call of a method (a backend or the
-textbook baseline), and the largest difference from a float64 reference."""
+textbook baseline), and the largest difference from a float64 reference.
+
+Everything here is driven by the op table: the inputs are made by name (:data:`.settings.INPUTS`),
+a backend is called through the op's public function, and the baseline and the reference reduce
+the op's logits (given, or ``hidden @ weight.T``) to each of the op's outputs.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
 from .. import reference as ref
-from .settings import REFERENCE_CHUNK_ELEMENTS, Setting
+from ..opspec import OpSpec
+from .settings import INPUTS, REFERENCE_CHUNK_ELEMENTS, Setting
 
 BASELINE = "baseline"
-BASELINE_DESCRIPTION = ("the textbook formula in the input dtype: log_softmax + gather, and -sum(p * log p) "
-                        "for the entropy (the seeds' starting point)")
+LOGITS_SCALE = 3.0  # of standard normal logits: a peaked softmax, as a trained model's
 
 
-def _baseline_logprobs(x, labels):
-    return x.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+def baseline_description(spec: OpSpec, short: bool = False) -> str:
+    """What the baseline does for ``spec``'s op (``short``: for a table's heading)."""
+    form = "hidden @ weight.T, then " if "logits" not in spec.inputs else ""
+    if short:
+        return f"{form}the textbook formula in the input dtype"
+    return (f"the textbook formula in the input dtype: {form}log_softmax + gather, and -sum(p * log p) "
+            "for the entropy (the seeds' starting point)")
 
 
-def _baseline_entropy(x):
-    logp = x.log_softmax(-1)
-    return -(logp.exp() * logp).sum(-1)
+def op_logits(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The logits an op reduces: its ``logits`` input, or ``hidden @ weight.T`` formed in the
+    inputs' dtype (what a trainer does without the fused op)."""
+    if "logits" in inputs:
+        return inputs["logits"]
+    return inputs["hidden"] @ inputs["weight"].T
 
 
-def _baseline_both(x, labels):
-    logp = x.log_softmax(-1)
-    return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+#: Each output an op may return, from the log-softmax of its logits: the textbook formulas.
+TEXTBOOK: Dict[str, Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = {
+    "logprobs": lambda logp, labels: logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1),
+    "entropy": lambda logp, labels: -(logp.exp() * logp).sum(-1),
+}
 
 
-def method(s: Setting, name: str) -> Callable[[torch.Tensor, torch.Tensor], object]:
-    """``f(logits, labels)`` running ``s.op`` through backend ``name``, or the baseline."""
+def baseline(inputs: Mapping[str, torch.Tensor], outputs: Tuple[str, ...]) -> Tuple[torch.Tensor, ...]:
+    logp = op_logits(inputs).log_softmax(-1)
+    return tuple(TEXTBOOK[o](logp, inputs.get("labels")) for o in outputs)
+
+
+def reference(inputs: Mapping[str, torch.Tensor], outputs: Tuple[str, ...]) -> Tuple[torch.Tensor, ...]:
+    """The outputs in float64, by :mod:`logprob_registry.reference` (inputs already float64)."""
+    x, labels = op_logits(inputs), inputs.get("labels")
+    if outputs == ("logprobs", "entropy"):
+        return tuple(ref.logprobs_and_entropy(x, labels))
+    one = {"logprobs": lambda: ref.logprobs(x, labels), "entropy": lambda: ref.entropy(x)}
+    return tuple(one[o]() for o in outputs)
+
+
+def method(s: Setting, name: str) -> Callable[[Mapping[str, torch.Tensor]], Tuple[torch.Tensor, ...]]:
+    """``f(inputs)`` running ``s.op`` through backend ``name`` (its public function, with
+    ``backend=name``), or the baseline; the outputs as a tuple."""
+    spec, outputs = s.spec, s.outputs
     if name == BASELINE:
-        return {
-            "logprobs": _baseline_logprobs,
-            "entropy": lambda x, labels: _baseline_entropy(x),
-            "logprobs_and_entropy": _baseline_both,
-        }[s.op]
-    import logprob_registry as lr
+        return lambda inputs: baseline(inputs, outputs)
+    public, options = spec.public(), s.options
 
-    ip = s.inplace_backward
-    return {
-        "logprobs": lambda x, labels: lr.logprobs_from_logits(x, labels, backend=name, inplace_backward=ip),
-        "entropy": lambda x, labels: lr.entropy_from_logits(x, backend=name),
-        "logprobs_and_entropy": lambda x, labels: lr.logprobs_and_entropy(
-            x, labels, backend=name, inplace_backward=ip),
-    }[s.op]
+    def call(inputs: Mapping[str, torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+        result = public(*(inputs[n] for n in spec.inputs), backend=name, **options)
+        return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 
-
-def outputs(result: object) -> Tuple[torch.Tensor, ...]:
-    return tuple(result) if isinstance(result, (tuple, list)) else (result,)  # type: ignore[arg-type]
+    return call
 
 
 class Workload:
     """The inputs of one setting and how to run a method on them once.
 
-    In backward mode each call gets a fresh gradient (and, for in-place backward, a fresh copy of
-    the logits made before the clock starts); the loss is the sum of every output.
+    The inputs are made on the CPU from a seeded generator, in the op's input order (so every
+    device sees the same numbers), then moved. In backward mode each call gets fresh gradients
+    (and, for in-place backward, fresh copies of the inputs made before the clock starts); the
+    loss is the sum of every output.
     """
 
     def __init__(self, s: Setting, name: str) -> None:
         self.s = s
         self.fn = method(s, name)
         device = torch.device(s.device)
-        dtype = getattr(torch, s.dtype)
         gen = torch.Generator(device="cpu").manual_seed(s.seed)
-        b, t, v = s.shape
-        # Made on the CPU from a seeded generator so every device sees the same numbers, then moved.
-        self.base = torch.randn(b, t, v, generator=gen, dtype=dtype).mul_(3.0).to(device)
-        labels = torch.randint(0, v, (b, t), generator=gen).to(device)
-        self.labels = labels[:, 1:] if s.sliced else labels
-        self.leaf: Optional[torch.Tensor] = None
-        if s.backward and not s.inplace_backward:
-            self.base.requires_grad_(True)
+        v = s.shape[2]
+        self.base: Dict[str, torch.Tensor] = {}
+        for input_name in s.spec.inputs:
+            shape = s.input_shape(input_name, seen=False)
+            if INPUTS[input_name].integer:
+                t = torch.randint(0, v, shape, generator=gen)
+            else:
+                t = torch.randn(shape, generator=gen, dtype=s.torch_dtype)
+                scale = LOGITS_SCALE / math.sqrt(shape[-1]) if input_name == "weight" else (
+                    LOGITS_SCALE if input_name == "logits" else 1.0)
+                if scale != 1.0:
+                    t.mul_(scale)
+            self.base[input_name] = t.to(device)
+        self.leaves: Dict[str, torch.Tensor] = {}
+        if not s.inplace_backward:
+            for n in s.grad_inputs:
+                self.base[n].requires_grad_(True)
 
-    def view(self, t: torch.Tensor) -> torch.Tensor:
-        return t[:, :-1] if self.s.sliced else t
+    def view(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """What the methods see of input ``name``: with ``--slice``, ``[:, :-1]`` (labels ``[:, 1:]``)."""
+        if not (self.s.sliced and INPUTS[name].per_token):
+            return t
+        return t[:, 1:] if name == "labels" else t[:, :-1]
 
     @property
-    def logits(self) -> torch.Tensor:
-        """The logits the methods see (no autograd history)."""
-        return self.view(self.base.detach())
+    def inputs(self) -> Dict[str, torch.Tensor]:
+        """The inputs the methods see (no autograd history)."""
+        return {n: self.view(n, t.detach()) for n, t in self.base.items()}
 
-    def prepare(self) -> torch.Tensor:
-        """The input of the next call; everything not part of the method's work happens here."""
+    def prepare(self) -> Dict[str, torch.Tensor]:
+        """The inputs of the next call; everything not part of the method's work happens here."""
         if not self.s.backward:
-            return self.logits
-        if self.s.inplace_backward:
-            self.leaf = self.base.detach().clone().requires_grad_(True)
-        else:
-            self.base.grad = None
-            self.leaf = self.base
-        return self.view(self.leaf)
+            return self.inputs
+        leaves = {}
+        for n in self.s.grad_inputs:
+            if self.s.inplace_backward:
+                leaves[n] = self.base[n].detach().clone().requires_grad_(True)
+            else:
+                self.base[n].grad = None
+                leaves[n] = self.base[n]
+        self.leaves = leaves
+        return {n: self.view(n, leaves.get(n, t.detach())) for n, t in self.base.items()}
 
-    def run(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    def run(self, x: Mapping[str, torch.Tensor]) -> Tuple[torch.Tensor, ...]:
         if not self.s.backward:
             with torch.no_grad():
-                return outputs(self.fn(x, self.labels))
-        outs = outputs(self.fn(x, self.labels))
+                return self.fn(x)
+        outs = self.fn(x)
         sum(o.float().sum() for o in outs).backward()
         return tuple(o.detach() for o in outs)
 
-    def grad(self) -> Optional[torch.Tensor]:
-        """The gradient of the last backward call, as seen by the logits view."""
-        if self.leaf is None or self.leaf.grad is None:
-            return None
-        return self.view(self.leaf.grad)
+    def grads(self) -> Dict[str, torch.Tensor]:
+        """The gradients of the last backward call, as the methods' views see them."""
+        return {n: self.view(n, leaf.grad) for n, leaf in self.leaves.items() if leaf.grad is not None}
 
     def release(self) -> None:
-        if self.leaf is not None:
-            self.leaf.grad = None
-        self.leaf = None
+        for leaf in self.leaves.values():
+            leaf.grad = None
+        self.leaves = {}
 
 
 def _worse(a: float, b: float) -> float:
     return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
-def _reference(op: str, x: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-    if op == "logprobs":
-        return (ref.logprobs(x, labels),)
-    if op == "entropy":
-        return (ref.entropy(x),)
-    return tuple(ref.logprobs_and_entropy(x, labels))
+def _max_abs(got: torch.Tensor, want: torch.Tensor, device: torch.device) -> float:
+    return (got.to(device, torch.float64) - want).abs().max().item() if want.numel() else 0.0
 
 
 def max_differences(
-    s: Setting, logits: torch.Tensor, labels: torch.Tensor,
-    outs: Tuple[torch.Tensor, ...], grad: Optional[torch.Tensor],
-) -> Tuple[float, Optional[float]]:
-    """Largest absolute difference of the outputs (and of the gradient of their sum, if given)
-    from float64 autograd of the reference, computed over chunks of rows to bound the memory."""
-    ref_device = logits.device if logits.device.type != "mps" else torch.device("cpu")  # MPS has no float64
-    b, t, v = logits.shape
-    rows = max(1, REFERENCE_CHUNK_ELEMENTS // v)
-    value_diff, grad_diff = 0.0, 0.0
+    s: Setting, inputs: Mapping[str, torch.Tensor], outs: Tuple[torch.Tensor, ...],
+    grads: Optional[Mapping[str, torch.Tensor]] = None,
+) -> Tuple[float, Dict[str, float]]:
+    """Largest absolute difference of the outputs (and of the gradients of their sum, for each
+    input in ``grads``) from float64 autograd of the reference.
+
+    Computed over chunks of rows of the per-token inputs, so that the float64 logits of a chunk
+    hold at most :data:`REFERENCE_CHUNK_ELEMENTS` elements; an input shared by every row (the
+    weight) is converted once, and its gradient accumulated over the chunks.
+    """
+    grads = dict(grads or {})
+    any_input = next(iter(inputs.values()))
+    ref_device = any_input.device if any_input.device.type != "mps" else torch.device("cpu")  # MPS: no float64
+    per_token = [n for n in inputs if INPUTS[n].per_token]
+    shared = {n: inputs[n].to(ref_device, torch.float64 if not INPUTS[n].integer else inputs[n].dtype)
+              .requires_grad_(n in grads) for n in inputs if n not in per_token}
+    b, t = inputs[per_token[0]].shape[:2]
+    rows = max(1, REFERENCE_CHUNK_ELEMENTS // s.shape[2])
+    value_diff = 0.0
+    grad_diff = {n: 0.0 for n in grads}
     for i in range(b):
         for t0 in range(0, t, rows):
             idx = (i, slice(t0, t0 + rows))
-            x = logits[idx].to(ref_device, torch.float64)
-            if grad is not None:
-                x.requires_grad_(True)
-            expected = _reference(s.op, x, labels[idx].to(ref_device))
+            chunk = dict(shared)
+            for n in per_token:
+                x = inputs[n][idx].to(ref_device)
+                if not INPUTS[n].integer:
+                    x = x.to(torch.float64).requires_grad_(n in grads)
+                chunk[n] = x
+            expected = reference(chunk, s.outputs)
             for got, want in zip(outs, expected):
-                d = (got[idx].to(ref_device, torch.float64) - want.detach()).abs().max().item()
-                value_diff = _worse(value_diff, d)
-            if grad is not None:
+                value_diff = _worse(value_diff, _max_abs(got[idx], want.detach(), ref_device))
+            if grads:
                 sum(e.sum() for e in expected).backward()
-                d = (grad[idx].to(ref_device, torch.float64) - x.grad).abs().max().item()
-                grad_diff = _worse(grad_diff, d)
-    return value_diff, (grad_diff if grad is not None else None)
+                for n in per_token:
+                    if n in grads:
+                        grad_diff[n] = _worse(grad_diff[n], _max_abs(grads[n][idx], chunk[n].grad, ref_device))
+    for n, x in shared.items():
+        if n in grads:
+            grad_diff[n] = _worse(grad_diff[n], _max_abs(grads[n], x.grad, ref_device))
+    return value_diff, grad_diff
+

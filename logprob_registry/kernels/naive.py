@@ -1,4 +1,5 @@
-"""``naive``: the textbook ``log_softmax`` + gather in float32, on every device, autograd by torch.
+"""``naive``: the textbook ``log_softmax`` + gather in float32, on every device type it lists (pure
+torch: add one by registering a copy of it for your device type), autograd by torch.
 
 The portable fallback of last resort: it materialises a float32 copy of the logits (and its
 log-softmax), so it has the lowest priority.
@@ -60,5 +61,6 @@ def register_backends(register):
         autograd=True,
         batch_invariant=True,
         copies_logits=True,
+        features={"functorch"},
         description="log_softmax + gather in float32; materialises the logits in float32",
     ))

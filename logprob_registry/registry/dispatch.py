@@ -33,6 +33,7 @@ from .. import config
 from ..backend import Backend
 from ..environment import Environment
 from ..opspec import OPS
+from ..validation import inside_functorch_transform
 from .errors import BackendFallbackWarning, NoEligibleBackendError
 from .key import Key
 from .plugins import PluginSet, error_line
@@ -60,16 +61,9 @@ def caller_fault(exc: BaseException) -> Optional[str]:
         return "out of memory"
     if isinstance(exc, config.ConfigError):
         return "configuration"
-    if _inside_functorch_transform():
+    if inside_functorch_transform():
         return "inside a torch.func transform"
     return None
-
-
-def _inside_functorch_transform() -> bool:
-    try:
-        return torch._C._functorch.peek_interpreter_stack() is not None
-    except AttributeError:  # a torch without functorch's C API
-        return False
 
 
 def _stacklevel() -> int:
@@ -99,6 +93,10 @@ class Dispatcher:
             with self._lock:
                 self._cache.clear()
                 self._explicit_ok.clear()
+                names = {b.name for b in self._plugins.backends()}
+                for marks in self._broken.values():  # a removed backend's marks go with it
+                    for name in [n for n in marks if n not in names]:
+                        del marks[name]
                 self._state = (env, self._plugins.generation)
         return env
 
@@ -111,8 +109,9 @@ class Dispatcher:
 
     def broken(self) -> Dict[Key, Dict[str, str]]:
         """Backends marked broken, per key, with the error that marked them."""
+        self.env()
         with self._lock:
-            return {k: dict(v) for k, v in self._broken.items()}
+            return {k: dict(v) for k, v in self._broken.items() if v}
 
     # ----------------------------------------------------------- selection
     @staticmethod
