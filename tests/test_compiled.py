@@ -216,7 +216,8 @@ def test_one_compile_covers_five_batch_and_sequence_lengths_and_temperatures(fre
     # for that layout compiles once, not once per shape
     for batch, steps in shapes[:3]:
         full = torch.randn(batch + 1, steps + 1, V, requires_grad=True)
-        lr.logprobs_from_logits(full[:, :-1], torch.randint(0, V, (batch + 1, steps)), backend="compiled").sum().backward()
+        labels = torch.randint(0, V, (batch + 1, steps))
+        lr.logprobs_from_logits(full[:, :-1], labels, backend="compiled").sum().backward()
     counts = compiled.compile_counts()
     assert counts["fwd_logprobs"] == 1 and counts["bwd"] == 2, counts
 
@@ -271,7 +272,7 @@ def test_backward_kernel_failing_late_runs_the_same_math_eagerly(fresh, monkeypa
     kw = dict(temperature=0.7, ignore_index=-100, inplace_backward=inplace)
     _, grad = reference_grad("logprobs_and_entropy", logits, labels, **kw)
     messages = []
-    for attempt in range(2):
+    for _ in range(2):
         leaf = full.clone().requires_grad_(True)
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")

@@ -4,12 +4,12 @@ through an entry point: what CI proves on every run (``logprob-registry check`` 
 import pytest
 
 import logprob_registry as lr
-from logprob_registry.testing.runner import not_eligible_reason
-from logprob_registry.environment import get_environment
 from logprob_registry.backend import CAPABILITIES
+from logprob_registry.environment import get_environment
 from logprob_registry.opspec import FEATURES, OPS
 from logprob_registry.testing import BackendConformance
-from logprob_registry.testing.sections import coverage, covers, covering_tests
+from logprob_registry.testing.runner import not_eligible_reason
+from logprob_registry.testing.sections import coverage, covering_tests, covers
 
 pytest_plugins = ["pytester"]
 

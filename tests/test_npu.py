@@ -73,7 +73,8 @@ def _verdict(env, op="logprobs", device="npu", dtype=torch.float32):
 # --------------------------------------------------------------------------------------- detection
 def test_detect_without_torch_npu(isolated):
     real_find_spec = importlib.util.find_spec
-    isolated.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch_npu" else real_find_spec(name, *a))
+    isolated.setattr(importlib.util, "find_spec",
+                     lambda name, *a: None if name == "torch_npu" else real_find_spec(name, *a))
     env = detect()
     assert "npu" not in env.devices
     assert env.torch_npu_version is None

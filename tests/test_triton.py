@@ -79,7 +79,8 @@ if not INTERPRETED:
         assert "TRITON_INTERPRET=1" in lr.get_registry().get("triton").description
 
     def test_import_does_not_import_triton():
-        code = "import sys, logprob_registry as lr; lr.explain('logprobs', device='cpu'); print('triton' in sys.modules)"
+        code = ("import sys, logprob_registry as lr; lr.explain('logprobs', device='cpu'); "
+                "print('triton' in sys.modules)")
         proc = _run([sys.executable, "-c", code], False, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip() == "False"
@@ -245,7 +246,7 @@ if INTERPRETED:
     def test_gradients(op, inplace, dtype):
         logits, labels = _inputs((2, 3), 300, dtype, seed=7)
         g = torch.Generator().manual_seed(3)
-        weights = (torch.randn(2, 3, generator=g, dtype=torch.float64), torch.randn(2, 3, generator=g, dtype=torch.float64))
+        weights = tuple(torch.randn(2, 3, generator=g, dtype=torch.float64) for _ in range(2))
         kw = dict(temperature=0.8, ignore_index=None)
         if op == "logprobs":
             ours = lambda x: K.logprobs(x, labels, 0.8, None, inplace)
@@ -273,7 +274,8 @@ if INTERPRETED:
         view = x[:, :-1]
         lp = K.logprobs(view, ids[:, 1:], 1.0, None, True)
         (grad,) = torch.autograd.grad(lp.sum(), x)
-        want, _ = _grads(lambda t: ref.logprobs(t[:, :-1], ids[:, 1:]), base.double(), [torch.ones(2, 5, dtype=torch.float64)])
+        want, _ = _grads(lambda t: ref.logprobs(t[:, :-1], ids[:, 1:]), base.double(),
+                         [torch.ones(2, 5, dtype=torch.float64)])
         torch.testing.assert_close(grad.double(), want, rtol=2e-6, atol=2e-6)
         assert torch.equal(x.detach()[:, -1], base[:, -1])  # the row outside the slice is untouched
 
@@ -282,7 +284,8 @@ if INTERPRETED:
         x = row.expand(3, 40).detach().requires_grad_(True)
         labels = torch.tensor([0, 5, 39])
         (grad,) = torch.autograd.grad(K.logprobs(x, labels, 1.0, None, True).sum(), x)
-        want, _ = _grads(lambda t: ref.logprobs(t, labels), row.expand(3, 40).double(), [torch.ones(3, dtype=torch.float64)])
+        want, _ = _grads(lambda t: ref.logprobs(t, labels), row.expand(3, 40).double(),
+                         [torch.ones(3, dtype=torch.float64)])
         torch.testing.assert_close(grad.double(), want, rtol=2e-6, atol=2e-6)
         assert torch.equal(x.detach()[0], row[0])
 
@@ -304,10 +307,12 @@ if INTERPRETED:
         big, big_labels = _inputs((3, 4, 5, 6), 30, torch.float32, seed=6)
         logits5 = big[:, ::2, 1:, ::3]  # four leading dims that cannot be merged: one launch per outer index
         labels5 = big_labels[:, ::2, 1:, ::3]
-        grad, _ = _grads(lambda t: K.logprobs_and_entropy(t, labels5, 1.3, None, False), logits5, [torch.ones(3, 2, 4, 2)] * 2)
+        grad, _ = _grads(lambda t: K.logprobs_and_entropy(t, labels5, 1.3, None, False), logits5,
+                         [torch.ones(3, 2, 4, 2)] * 2)
         want, _ = _grads(lambda t: ref.logprobs_and_entropy(t, labels5, temperature=1.3), logits5.double(),
                          [torch.ones(3, 2, 4, 2, dtype=torch.float64)] * 2)
-        _close(K.logprobs(logits5, labels5, 1.3, None, False), ref.logprobs(logits5, labels5, temperature=1.3), torch.float32)
+        _close(K.logprobs(logits5, labels5, 1.3, None, False), ref.logprobs(logits5, labels5, temperature=1.3),
+               torch.float32)
         torch.testing.assert_close(grad.double(), want, rtol=2e-6, atol=2e-6)
 
     @pytest.mark.parametrize("ignore_index", [-100, 3, 2**40])
@@ -335,8 +340,10 @@ if INTERPRETED:
         _close(lp, ref.logprobs(logits, labels), torch.float32)
         _close(ent, ref.entropy(logits), torch.float32)
         keep = torch.tensor([1, 2, 3])
-        grad, _ = _grads(lambda t: K.logprobs_and_entropy(t[keep], labels[keep], 1.0, None, False), logits, [torch.ones(3)] * 2)
-        want, _ = _grads(lambda t: ref.logprobs_and_entropy(t[keep], labels[keep]), logits.double(), [torch.ones(3, dtype=torch.float64)] * 2)
+        grad, _ = _grads(lambda t: K.logprobs_and_entropy(t[keep], labels[keep], 1.0, None, False), logits,
+                         [torch.ones(3)] * 2)
+        want, _ = _grads(lambda t: ref.logprobs_and_entropy(t[keep], labels[keep]), logits.double(),
+                         [torch.ones(3, dtype=torch.float64)] * 2)
         torch.testing.assert_close(grad.double(), want, rtol=2e-6, atol=2e-6)
         assert torch.isfinite(grad).all()
 

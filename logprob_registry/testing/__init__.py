@@ -2,7 +2,8 @@
 
 Subclass :class:`BackendConformance` in your own tests and name your backend, or run
 ``logprob-registry check --backend NAME``. The pytest plugin (the top-level module
-``logprob_registry_pytest``, registered through the ``pytest11`` entry point) adds ``--logprob-backend`` and ``--logprob-device``. This package is
+``logprob_registry_pytest``, registered through the ``pytest11`` entry point) adds
+``--logprob-backend`` and ``--logprob-device``. This package is
 import-light: torch and pytest are imported only when the suite itself is used.
 """
 

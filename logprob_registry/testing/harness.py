@@ -48,9 +48,11 @@ class Harness:
         return self.backend.name
 
     # ------------------------------------------------------------------ skips
-    def require(self, op: str, dtype: torch.dtype = torch.float32, grad: bool = False) -> None:
-        """Skip the test, with the registry's reason, unless the backend can run this case here."""
-        key = Key(op, self.device.type, dtype, grad)
+    def require(self, op: str, dtype: torch.dtype = torch.float32, grad: bool = False,
+                features: Sequence[str] = ()) -> None:
+        """Skip the test, with the registry's reason, unless the backend can run this case here
+        (``features``: the ``opspec.FEATURES`` the case needs)."""
+        key = Key(op, self.device.type, dtype, grad, frozenset(features))
         verdict = next(v for v in get_registry().verdicts(key) if v.name == self.name)
         if verdict.reason is not None:
             pytest.skip(f"{self.name}: {verdict.reason}")

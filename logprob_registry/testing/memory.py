@@ -3,7 +3,8 @@
 On CUDA (and other devices whose torch module keeps allocator statistics) this is the caching
 allocator's peak. On a Linux CPU it is the peak resident set size: glibc's mmap threshold is pinned
 at 64 KiB (so that every large buffer is mapped, and unmapped when freed; best done before the
-process allocates much, see :func:`pin_mmap_threshold`), free heap pages are returned to the system, the kernel's high-water mark is reset (``/proc/self/clear_refs``, 5) and
+process allocates much, see :func:`pin_mmap_threshold`), free heap pages are returned to the
+system, the kernel's high-water mark is reset (``/proc/self/clear_refs``, 5) and
 read back from ``VmHWM``. Every byte a backend writes during the call is counted, however it
 allocates it. Other processes can disturb a reading (the kernel reclaiming and faulting back pages
 under memory pressure), always upwards: callers that compare with a bound retry before failing.

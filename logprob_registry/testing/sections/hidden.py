@@ -20,8 +20,7 @@ from logprob_registry import reference as ref
 
 from ..harness import DTYPES, Harness
 from ..memory import describe
-from ..numerics import (assert_close, gradient_rounding, hidden_tolerances, logits_gradient_scale,
-                        subnormal_spacing)
+from ..numerics import assert_close, gradient_rounding, hidden_tolerances, logits_gradient_scale, subnormal_spacing
 from . import covers
 from ._common import MEMORY_LIMIT, peak, require_no_copy, same_strides_leaf, upstream, weighted_sum
 

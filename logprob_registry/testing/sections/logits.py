@@ -9,6 +9,7 @@ capability whose promise it checks.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Sequence
 
@@ -88,7 +89,8 @@ class LogitsSection:
         y = lp.labels((3, 5), 1000)
         expected_dtype = lp.result_dtype(DTYPES[dtype])
         for i, (g, w, tol) in enumerate(zip(lp.call(op, x, y), lp.reference(op, x, y), tolerances(op, x))):
-            assert g.dtype == expected_dtype, f"{op} output {i} of {dtype} input is {g.dtype}, expected {expected_dtype}"
+            assert g.dtype == expected_dtype, (
+                f"{op} output {i} of {dtype} input is {g.dtype}, expected {expected_dtype}")
             assert_close(g, w, tol, f"{op} output {i}, {dtype} input")
 
     @covers(LABEL_OPS)
@@ -130,14 +132,16 @@ class LogitsSection:
             labels = lp.labels(MEMORY_SHAPE[:-1], MEMORY_SHAPE[-1])
             x, y = full[:, :-1], labels[:, 1:]
             size = x.numel() * x.element_size()
+            call = functools.partial(lp.call, op, x, y, temperature=temperature)
             with torch.no_grad():
-                lp.call(op, x, y, temperature=temperature)  # warm-up: lazy init, compilation
-                _, extra = peak(lambda: lp.call(op, x, y, temperature=temperature), lp, MEMORY_LIMIT * size)
-            _ = full = x = None  # the result and the logits are freed before the next reading
+                call()  # warm-up: lazy init, compilation
+                _, extra = peak(call, lp, MEMORY_LIMIT * size)
+            _ = full = x = call = None  # the result and the logits are freed before the next reading
             assert extra < MEMORY_LIMIT * size, (
                 f"{op} on strided {dtype} logits {tuple(MEMORY_SHAPE[:1]) + (MEMORY_SHAPE[1] - 1,) + MEMORY_SHAPE[2:]} "
                 f"(T={temperature}) allocated {describe(extra)} at its peak, {extra / size:.2f}x the logits "
-                f"({describe(size)}): it copies the logits. Read them through their strides, a block of rows at a time.")
+                f"({describe(size)}): it copies the logits. Read them through their strides, a block of rows "
+                "at a time.")
 
     @covers(LOGITS_OPS, capability="copies_logits", declared=False, grad=True)
     @pytest.mark.parametrize("op", LOGITS_OPS)
@@ -170,7 +174,8 @@ class LogitsSection:
         x = lp.logits((4, 5, 900))
         y = lp.labels((4, 5), 900)
         got = lp.call(op, x, y, temperature=temperature)
-        for i, (g, w, tol) in enumerate(zip(got, lp.reference(op, x, y, temperature=temperature), tolerances(op, x, temperature))):
+        want = lp.reference(op, x, y, temperature=temperature)
+        for i, (g, w, tol) in enumerate(zip(got, want, tolerances(op, x, temperature))):
             assert_close(g, w, tol, f"{op} output {i} at temperature {temperature}")
 
     @covers(LABEL_OPS)
@@ -257,7 +262,8 @@ class LogitsSection:
         x[1, 4] = math.nan  # the label
         got, want = lp.call(op, x, y), lp.reference(op, x, y)
         for i, (g, w, tol) in enumerate(zip(got, want, tolerances(op, x[2:]))):
-            assert bool(torch.isnan(g[:2]).all()), f"{op} output {i}: rows with a NaN logit give {g[:2].tolist()}, expected NaN"
+            assert bool(torch.isnan(g[:2]).all()), (
+                f"{op} output {i}: rows with a NaN logit give {g[:2].tolist()}, expected NaN")
             assert_close(g, w, tol, f"{op} output {i} with NaN in other rows")
 
     # --------------------------------------------------------------- gradients
@@ -436,7 +442,8 @@ class LogitsSection:
         views = {"row 0 alone": slice(0, 1), "row 11 alone": slice(11, 12), "rows 3..7": slice(3, 8)}
         for what, rows in views.items():
             for i, (part, full) in enumerate(zip(lp.call(op, x[rows], y[rows]), whole)):
-                assert torch.equal(part, full[rows]), f"{op} output {i}: {what} differs from the same rows in a batch of 12"
+                assert torch.equal(part, full[rows]), (
+                    f"{op} output {i}: {what} differs from the same rows in a batch of 12")
         for i, (shaped, full) in enumerate(zip(lp.call(op, x.view(3, 4, 2000), y.view(3, 4)), whole)):
             assert torch.equal(shaped.reshape(-1), full), f"{op} output {i}: a (3, 4, V) batch differs from (12, V)"
 
@@ -483,6 +490,30 @@ class LogitsSection:
                 sum(o.sum() for o in lp.call(op, logits, y, **kw)).backward()
                 assert torch.equal(logits.detach(), x_before), f"{op} forward or backward modified the {dtype} logits"
                 assert torch.equal(y, y_before), f"{op} forward or backward modified the labels"
+
+    # ------------------------------------------------------------ torch.func transforms
+    @covers(LOGITS_OPS, grad=True, features=("functorch",))
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_functorch_transforms(self, lp: Harness, op: str) -> None:
+        """A backend that declares the ``functorch`` feature works inside ``torch.func``: the
+        gradient from ``torch.func.grad`` against float64 autograd, and ``torch.func.vmap`` over
+        the batch against the batched call."""
+        lp.require(op, torch.float32, grad=True, features=("functorch",))
+        x = lp.logits((4, 5, 200))
+        y = lp.labels((4, 5), 200)
+        y[1, 2] = -100
+        kw = dict(temperature=0.7) if op == "entropy" else dict(temperature=0.7, ignore_index=-100)
+        got = torch.func.grad(lambda t: sum(o.sum() for o in lp.call(op, t, y, **kw)))(x)
+        ref_x = x.detach().cpu().double().requires_grad_(True)
+        sum(r.sum() for r in lp.reference(op, ref_x, y, **kw)).backward()
+        tols = tolerances(op, x, 0.7)
+        assert_close(got, ref_x.grad, 4 * max(tols) / 0.7, f"{op}: gradient from torch.func.grad", rtol=4 * EPS32)
+        if op == "entropy":
+            batched = torch.func.vmap(lambda t: lp.call(op, t, **kw))(x)
+        else:
+            batched = torch.func.vmap(lambda t, labels: lp.call(op, t, labels, **kw))(x, y)
+        for i, (b, whole, tol) in enumerate(zip(batched, lp.call(op, x, y, **kw), tols)):
+            assert_close(b, whole.double(), 2 * tol, f"{op} output {i} under torch.func.vmap against the batched call")
 
     # ---------------------------------------------------------------- bad input
     @covers(LOGITS_OPS)
