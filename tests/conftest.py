@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         cls = getattr(item, "cls", None)
         params = getattr(getattr(item, "callspec", None), "params", {})
-        name = params.get("conformance_backend")
+        name = params.get("conformance_backend") or getattr(cls, "backend", None)
         reason = None
         if cls is not None and issubclass(cls, BackendConformance) and name:
             reason = not_declared(get_registry().get(name), item.originalname, params, cls)
