@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from plugin_dists import ROOT, make_dist, run_python
 
 WINNER = '''

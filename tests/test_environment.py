@@ -1,7 +1,7 @@
 """Environment detection on this machine and the fake environments tests use."""
 
-from packaging.version import Version
 import torch
+from packaging.version import Version
 
 import logprob_registry as lr
 from logprob_registry import environment

@@ -8,8 +8,7 @@ import torch
 
 import logprob_registry as lr
 from logprob_registry.cli import main
-from logprob_registry.registry import Key
-from logprob_registry.registry import Registry
+from logprob_registry.registry import Key, Registry
 
 
 def _op(*args, **kwargs):

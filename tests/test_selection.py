@@ -4,9 +4,8 @@ import pytest
 import torch
 
 import logprob_registry as lr
-from logprob_registry.registry import Key
 from logprob_registry.environment import Environment
-from logprob_registry.registry import NoEligibleBackendError, Registry
+from logprob_registry.registry import Key, NoEligibleBackendError, Registry
 
 
 def _op(*args, **kwargs):

@@ -50,7 +50,8 @@ class _LogProbs(torch.autograd.Function):
         g_all = grad_out * keep
         for x, gx, i, g in _blocks(logits, grad, index, g_all):
             # d logp_y / dx = (onehot(y) - softmax(x / T)) / T
-            d = _log_softmax(x, ctx.temperature).exp_().mul_(-g.unsqueeze(-1).to(torch.float64 if x.dtype == torch.float64 else torch.float32))
+            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+            d = _log_softmax(x, ctx.temperature).exp_().mul_(-g.unsqueeze(-1).to(acc))
             d.scatter_add_(-1, i.unsqueeze(-1), g.unsqueeze(-1).to(d.dtype))
             gx.copy_(d.div_(ctx.temperature))
         return grad, None, None, None
