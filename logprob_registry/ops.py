@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
-from . import config
+from . import amp, config
 from . import validation as v
 from .backend import Backend
 from .opspec import OPS
@@ -16,16 +16,30 @@ from .opspec import get as get_spec
 from .registry import Key, get_registry
 from .report import Explanation
 
+if hasattr(torch.library, "custom_op"):  # torch >= 2.4: calls inside torch.compile become a custom op
+    from . import traced
+else:  # pragma: no cover - an older torch traces through the registry, with graph breaks
+    traced = None
+
 _DEVICE_TYPE = re.compile(r"^([a-z][a-z0-9_]*)(:\d+)?$")
 _FUNCTORCH = frozenset({"functorch"})
 
 
 def _dispatch(op: str, backend: Optional[str], inputs: Tuple[Any, ...], options: Dict[str, Any],
               on: torch.Tensor, grad: bool) -> Any:
+    if traced is not None and v.traced():  # the backend is chosen at run time, in the op's eager body
+        return traced.call(op, backend, inputs, options)
     features = OPS[op].features_used(options)
     if v.inside_functorch_transform():
         features = features | _FUNCTORCH
-    return get_registry().call(Key(op, on.device.type, on.dtype, grad, features), backend, inputs, options)
+    key = Key(op, on.device.type, on.dtype, grad, features)
+    if amp.enabled(key.device):  # backends compute as the contract says, forward and backward
+        call = lambda given, opts: get_registry().call(key, backend, given, opts)
+        if grad and _FUNCTORCH.isdisjoint(features):
+            return amp.call_isolated(call, inputs, options, key.device)
+        with amp.off(key.device):
+            return call(inputs, options)
+    return get_registry().call(key, backend, inputs, options)
 
 
 def _logits_and_labels(logits, labels, temperature, ignore_index):

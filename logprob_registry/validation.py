@@ -22,10 +22,20 @@ def inside_functorch_transform() -> bool:
         return False
 
 
+def traced() -> bool:
+    """Whether dynamo (``torch.compile``) is tracing this call. ``torch.compiler.is_compiling()``
+    will not do: it is one flag for the whole process, so it is also True in every other thread
+    while one thread compiles (the ``compiled`` backend's kernels, say), where the call runs
+    eagerly. ``is_dynamo_compiling()`` is False when it runs and True where dynamo traces it."""
+    check = getattr(torch.compiler, "is_dynamo_compiling", None)
+    return bool(check()) if check is not None else False
+
+
 def values_visible(t: torch.Tensor) -> bool:
     """Whether checks may read ``t``'s values on the host: not while torch.compile traces (the
-    check would break the graph), not for a vmap-batched tensor (data-dependent control flow)."""
-    if torch.compiler.is_compiling():
+    check would break the graph; the call's eager body checks them at run time, see
+    :mod:`logprob_registry.traced`), not for a vmap-batched tensor (data-dependent control flow)."""
+    if traced():
         return False
     try:
         return not torch._C._functorch.is_batchedtensor(t)
@@ -86,7 +96,7 @@ def check_temperature(temperature: object) -> float:
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a positive number, got {type(temperature).__name__}")
     value = float(temperature)
-    if not math.isfinite(value) or value <= 0:
+    if not 0 < value < math.inf:  # NaN too (comparisons, not math.isfinite: traceable by dynamo)
         raise ValueError(f"temperature must be finite and > 0, got {value}")
     return value
 

@@ -28,6 +28,23 @@ def _cpu_allowed() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+class _FirstOrderOnly(torch.autograd.Function):
+    """The identity, whose backward refuses ``create_graph=True``: Liger forms the gradient during
+    the forward pass, so it cannot be differentiated again, and a double backward must say so
+    rather than drop the second-order term."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise RuntimeError("backend 'liger' does not support double backward (create_graph=True): Liger "
+                               "computes the gradient during the forward pass; use backend='naive' for it")
+        return grad
+
+
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
     from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
 
@@ -49,6 +66,8 @@ def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
     out = -loss.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
     if keep is not None:
         out = out.masked_fill(~keep, 0.0)
+    if grad:
+        out = _FirstOrderOnly.apply(out)
     return out.reshape(labels.shape)
 
 

@@ -45,6 +45,9 @@ class _LogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # create_graph=True: the loops below are not differentiable, so say so
+            raise RuntimeError("backend 'template' does not support double backward (create_graph=True); "
+                               "use backend='naive' for second-order gradients")
         logits, index, keep = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         g_all = grad_out * keep

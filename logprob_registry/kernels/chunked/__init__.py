@@ -16,13 +16,14 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 import logprob_registry as lr
 from logprob_registry import config
 from logprob_registry import reference as ref
+from logprob_registry.amp import backward_without_autocast
 from logprob_registry.dtypes import FLOAT_DTYPES
 
+from .._common import overlapping, second_order_gradient
 from . import _hidden
 from . import _rows as loops
 
@@ -82,8 +83,22 @@ def _results(logits, index, valid, plan: loops.Plan) -> Tuple[Tuple[torch.Tensor
     return tuple(outs), stats
 
 
+def _reference_outputs(logits, index, valid, plan: loops.Plan) -> tuple:
+    """The op's outputs by the reference formulas in the result dtype, differentiable (for a
+    double backward): ``index`` and ``valid`` as the forward made them."""
+    labels = None if index is None else index.view(logits.shape[:-1])
+    outs = ref.outputs(logits, labels, temperature=plan.temperature, ignore_index=None,
+                       want_logprobs=plan.want_logprobs, want_entropy=plan.want_entropy)
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    if plan.want_logprobs and valid is not None:
+        outs[0] = outs[0].masked_fill(~valid.view(logits.shape[:-1]), 0.0)
+    return tuple(outs)
+
+
 class _ChunkedFunction(torch.autograd.Function):
-    """Forward saves the logits and per-row statistics; backward recomputes softmax by chunks."""
+    """Forward saves the logits and per-row statistics; backward recomputes softmax by chunks
+    (under ``create_graph=True``, by differentiable torch ops instead, so that it can be
+    differentiated again)."""
 
     @staticmethod
     def forward(ctx, logits, index, valid, plan, inplace):
@@ -94,10 +109,13 @@ class _ChunkedFunction(torch.autograd.Function):
         return outs
 
     @staticmethod
-    @once_differentiable
+    @backward_without_autocast
     def backward(ctx, *grads):
         (logits,) = ctx.saved_tensors
         plan = ctx.plan
+        if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
+            outputs = lambda: _reference_outputs(logits, ctx.index, ctx.valid, plan)
+            return second_order_gradient(outputs, (logits,), grads) + (None,) * 4
         grads = list(grads)
         g_lp = grads.pop(0) if plan.want_logprobs else None
         g_ent = grads.pop(0) if plan.want_entropy else None
@@ -127,6 +145,7 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, want_logpr
     else:
         index, valid = None, None
     if torch.is_grad_enabled() and logits.requires_grad:
+        inplace_backward = inplace_backward and not overlapping(logits)  # then honoured out of place
         outs = _ChunkedFunction.apply(logits, index, valid, plan, inplace_backward)
     else:
         outs = _results(logits, index, valid, plan)[0]

@@ -35,9 +35,11 @@ from typing import NamedTuple, Optional
 import torch
 
 from logprob_registry import config
+from logprob_registry import reference as ref
+from logprob_registry.amp import backward_without_autocast
 from logprob_registry.dtypes import result_dtype as _compute_dtype
 
-from .._common import MIN_GEMM_ROWS, pad_rows
+from .._common import MIN_GEMM_ROWS, pad_rows, second_order_gradient
 
 #: Bytes of one fp32 tile of logits, by device type ("default" for the others). Small on the CPU,
 #: where a 1024 x 1024 tile already keeps the matmuls as fast as one big matmul; larger on
@@ -248,12 +250,22 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         return (logp, ent) if entropy else logp
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, g_lp, g_ent=None):
         hidden, weight, bias, labels, lse, sbar = ctx.saved_tensors
         temperature, ignore_index, tiles = ctx.options
         need = tuple(ctx.needs_input_grad[:3])
         if (g_lp is None and g_ent is None) or not any(need):
             return (None,) * 8
+        if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
+            def outputs():
+                out = ref.logprobs_from_hidden(hidden, weight, labels, bias=bias, temperature=temperature,
+                                               ignore_index=ignore_index, return_entropy=sbar is not None,
+                                               dtype=_compute_dtype(hidden.dtype))
+                return out if isinstance(out, tuple) else (out,)
+
+            inputs = tuple(t if n else None for t, n in zip((hidden, weight, bias), need))
+            return second_order_gradient(outputs, inputs, (g_lp, g_ent)) + (None,) * 5
         lab = _labels(labels, ignore_index)
         gh, gw, gb = _backward(hidden, weight, bias, lab, temperature, lse, sbar, g_lp, g_ent, need, tiles)
         return gh, gw, gb, None, None, None, None, None

@@ -12,8 +12,11 @@ import torch
 
 import logprob_registry as lr
 from logprob_registry import reference as ref
+from logprob_registry.amp import backward_without_autocast
 from logprob_registry.dtypes import result_dtype
 
+from .._common import overlapping as _overlapping
+from .._common import second_order_gradient
 from ._kernels import LN2, LOG2E, CompileError, _grad_math, _run
 
 #: Rows per block of the eager backward used when a backward kernel cannot be compiled.
@@ -49,13 +52,6 @@ def _layout(rows: torch.Tensor) -> tuple:
     """What a compiled kernel specialises on besides shapes: rank, contiguity, single rows, dtype."""
     return (rows.dim(), rows.is_contiguous(), rows.stride(-1) == 1, tuple(s == 1 for s in rows.shape[:-1]),
             rows.device.type, rows.dtype)
-
-
-def _overlapping(x: torch.Tensor) -> bool:
-    """Whether two elements of ``x`` share memory (an expanded tensor): not writable in place."""
-    dims = sorted((st, n) for st, n in zip(x.stride(), x.shape) if n > 1)
-    return any(st < prev_st * prev_n for (prev_st, prev_n), (st, _) in zip(dims, dims[1:])) or \
-        any(st == 0 for st, _ in dims)
 
 
 def _planes(rows: torch.Tensor):
@@ -211,6 +207,18 @@ def _grad(rows: torch.Tensor, want: tuple, args: tuple, inplace: bool) -> Option
     return out
 
 
+def _reference_outputs(logits, idx, ignored, inv_t, want_logp, want_entropy) -> tuple:
+    """The op's outputs by the reference formulas in the result dtype, differentiable (for a
+    double backward): ``idx`` and ``ignored`` as the forward made them."""
+    lead = logits.shape[:-1]
+    outs = ref.outputs(logits, idx.view(lead) if want_logp else None, temperature=1.0 / inv_t, ignore_index=None,
+                       want_logprobs=want_logp, want_entropy=want_entropy)
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    if want_logp and ignored is not None:
+        outs[0] = outs[0].masked_fill(ignored.view(lead), 0.0)
+    return tuple(outs) if want_logp else (None,) + tuple(outs)
+
+
 class _LogSoftmaxOps(torch.autograd.Function):
     """Log-probabilities and/or entropy of logits, backward through the compiled gradient kernel."""
 
@@ -224,12 +232,15 @@ class _LogSoftmaxOps(torch.autograd.Function):
         return outputs if len(outputs) > 1 else outputs[0]
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @backward_without_autocast
     def backward(ctx, *grads):
         inv_t, want_logp, want_entropy, inplace = ctx.options
         logits, idx, ignored, m, log_s, h = ctx.saved_tensors
         g_lp = grads[0] if want_logp else None
         g_ent = grads[-1] if want_entropy else None
+        if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
+            outputs = lambda: _reference_outputs(logits, idx, ignored, inv_t, want_logp, want_entropy)
+            return second_order_gradient(outputs, (logits,), (g_lp, g_ent)) + (None,) * 6
         rows = _rows(logits)
         want = (want_logp, want_entropy)
         args = _grad_args(want, idx, ignored, m, log_s, h, g_lp, g_ent, inv_t)

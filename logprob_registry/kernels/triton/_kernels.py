@@ -32,7 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
+from logprob_registry import reference as ref
+from logprob_registry.amp import backward_without_autocast
 from logprob_registry.dtypes import result_dtype
+
+from .._common import second_order_gradient
 
 try:
     INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -439,10 +443,18 @@ class _LogprobsEntropy(torch.autograd.Function):
         return lp, ent
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @backward_without_autocast
     def backward(ctx, g_lp, g_ent):
         logits, labels, ent, m, log_s = ctx.saved_tensors
         temperature, ignore_index, inplace = ctx.options
+        if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
+            def outputs():  # the reference formulas in the result dtype, differentiable
+                return ref.outputs(logits, labels, temperature=temperature, ignore_index=ignore_index,
+                                   want_logprobs=True, want_entropy=True) if labels is not None else \
+                    (None, ref.outputs(logits, None, temperature=temperature, ignore_index=None,
+                                       want_logprobs=False, want_entropy=True))
+
+            return second_order_gradient(outputs, (logits,), (g_lp, g_ent)) + (None,) * 6
         grad = None
         if ctx.needs_input_grad[0] and (g_lp is not None or g_ent is not None):
             grad = _backward(logits, labels, g_lp, g_ent, ent if g_ent is not None else None,
