@@ -145,7 +145,88 @@ OPS = {"logprobs_from_hidden": hidden}
 ''', "", "test_hidden_gradients and float32 or test_hidden_gradient_of_one_output",
         {"test_hidden_gradients[entropy-float32]", "test_hidden_gradients[all-options-float32]",
          "test_hidden_gradient_of_one_output[entropy]"}),
+    "bad-drops-second-order": (
+        '''
+class LogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, ignore_index):
+        ctx.save_for_backward(logits, labels)
+        ctx.options = (temperature, ignore_index)
+        return good(logits, labels, temperature, ignore_index)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # runs under no_grad: under create_graph=True the
+    def backward(ctx, grad):                       # gradient silently loses its second-order term
+        logits, labels = ctx.saved_tensors
+        with torch.enable_grad():
+            x = logits.detach().requires_grad_(True)
+            out = good(x, labels, *ctx.options)
+        return torch.autograd.grad(out, x, grad)[0], None, None, None
+
+
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
+    return LogProbs.apply(logits, labels, temperature, ignore_index)
+''', "", "test_double_backward or test_gradients and float32", {"test_double_backward[logprobs]"}),
 }
+
+# A correct backend a sensible design gives: 64 rows at a time in float32 (three 8 MiB temporaries
+# at V = 32768, a fixed 24 MiB: as much as the bf16 logits of the suite's smaller memory shape), a
+# backward that recomputes them, and a clear refusal of double backward.
+SIXTY_FOUR_ROWS = '''
+ROWS = 64
+
+
+def _blocks(x):
+    """(first row, 2-D view of at most ROWS rows) over the rows of x, never a copy"""
+    views = [x.unsqueeze(0)] if x.dim() == 1 else [x] if x.dim() == 2 else None
+    if views is None:
+        try:
+            views = [x.view(-1, x.shape[-1])]
+        except RuntimeError:  # logits[:, :-1]: one view per sequence
+            views = [v for sub in x.unbind(0) for _, v in _blocks(sub)]
+    start = 0
+    for view in views:
+        for r in range(0, view.shape[0], ROWS):
+            yield start + r, view[r:r + ROWS]
+        start += view.shape[0]
+
+
+class LogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, ignore_index):
+        keep = torch.ones_like(labels, dtype=torch.bool) if ignore_index is None else labels != ignore_index
+        index = labels.masked_fill(~keep, 0).long().reshape(-1)
+        dtype = ref.result_dtype(logits.dtype)
+        lse = torch.empty(index.shape, dtype=dtype, device=logits.device)
+        picked = torch.empty(index.shape, dtype=dtype, device=logits.device)
+        for start, x in _blocks(logits):
+            rows = slice(start, start + x.shape[0])
+            y = x.to(dtype) / temperature                  # two 8 MiB temporaries at V = 32768
+            lse[rows] = torch.logsumexp(y, -1)              # and a third inside logsumexp
+            picked[rows] = y.gather(-1, index[rows, None])[:, 0]
+        ctx.save_for_backward(logits, index, keep, lse)
+        ctx.temperature = temperature
+        return ((picked - lse) * keep.reshape(-1)).reshape(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise RuntimeError("backend 'good-64-rows' does not support double backward (create_graph=True)")
+        logits, index, keep, lse = ctx.saved_tensors
+        out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        flat = out.view(-1, out.shape[-1])
+        g = (grad * keep).reshape(-1).to(lse.dtype)
+        for start, x in _blocks(logits):
+            rows = slice(start, start + x.shape[0])
+            d = (x.to(lse.dtype) / ctx.temperature - lse[rows, None]).exp_().mul_(-g[rows, None])
+            d.scatter_add_(-1, index[rows, None], g[rows, None])
+            flat[rows] = d / ctx.temperature
+        return out, None, None, None
+
+
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
+    return LogProbs.apply(logits, labels, temperature, ignore_index)
+'''
 
 # Correct backends, on the union of the selections above: everything passes.
 GOOD = {
@@ -155,6 +236,7 @@ logprobs = lambda logits, labels, **kw: good(logits, labels, kw["temperature"], 
     "good-template": ('''
 logprobs = template.logprobs
 ''', ""),
+    "good-64-rows": (SIXTY_FOUR_ROWS, ""),
 }
 ALL_SELECTIONS = " or ".join(f"({sel})" for _, _, sel, _ in BUGS.values())
 

@@ -10,8 +10,9 @@ does, for chunked's tile budgets).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional, Sequence
+from typing import Callable, ContextManager, Optional, Sequence
 
 import pytest
 import torch
@@ -19,10 +20,16 @@ import torch
 from logprob_registry import reference as ref
 
 from ..harness import DTYPES, Harness
-from ..memory import describe
-from ..numerics import assert_close, gradient_rounding, hidden_tolerances, logits_gradient_scale, subnormal_spacing
+from ..numerics import (
+    EPS32,
+    assert_close,
+    gradient_rounding,
+    hidden_tolerances,
+    logits_gradient_scale,
+    subnormal_spacing,
+)
 from . import covers
-from ._common import MEMORY_LIMIT, peak, require_no_copy, same_strides_leaf, upstream, weighted_sum
+from ._common import MEMORY_LIMIT, autocast, growth, require_no_copy, same_strides_leaf, upstream, weighted_sum
 
 OP = "logprobs_from_hidden"
 INPUTS = ("hidden", "weight", "bias")
@@ -34,14 +41,15 @@ SPECIAL = ["masked-vocabulary", "nan", "large-magnitudes"]
 
 def check_hidden(lp: Harness, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  labels: torch.Tensor, *, grads: bool = True, used: Optional[int] = None,
-                 grad_of: Sequence[str] = INPUTS, seed: int = 11, what: str = OP, **options) -> None:
+                 grad_of: Sequence[str] = INPUTS, seed: int = 11, what: str = OP,
+                 forward_context: Callable[[], ContextManager] = contextlib.nullcontext, **options) -> None:
     """``logprobs_from_hidden`` of ``lp``'s backend against float64 autograd of the reference:
     the outputs (dtype, device, shape, values), and, when ``grads`` and the backend declares
     autograd, the gradients of the inputs named in ``grad_of`` (the others need none) under random
     upstream gradients on every output (on output ``used`` only, if given: backward then receives
     no gradient for the other). ``options``: ``temperature``, ``ignore_index``,
     ``return_entropy``. Leaves keep the inputs' strides (gaps included), so a strided input is a
-    strided leaf."""
+    strided leaf. ``forward_context()`` is entered around the call alone (``torch.autocast``, say)."""
     grads = grads and lp.backend.autograd
     dtype = hidden.dtype
     temperature = options.get("temperature", 1.0)
@@ -49,7 +57,8 @@ def check_hidden(lp: Harness, hidden: torch.Tensor, weight: torch.Tensor, bias: 
     wanted = [n for n in INPUTS if n in grad_of and given[n] is not None] if grads else []
     leaves = {n: None if t is None else same_strides_leaf(t, n in wanted) for n, t in given.items()}
     refs = {n: None if t is None else t.detach().cpu().double().requires_grad_(n in wanted) for n, t in given.items()}
-    got = lp.call_hidden(leaves["hidden"], leaves["weight"], labels, bias=leaves["bias"], **options)
+    with forward_context():
+        got = lp.call_hidden(leaves["hidden"], leaves["weight"], labels, bias=leaves["bias"], **options)
     want = lp.reference_hidden(refs["hidden"], refs["weight"], labels, bias=refs["bias"], **options)
     tols = hidden_tolerances(hidden, weight, bias, temperature)
     for i, (g, r, tol) in enumerate(zip(got, want, tols)):
@@ -186,6 +195,57 @@ class HiddenSection:
         assert_close(grad, grad64, 4 * tol * max(float(grad64.abs().max()), 1.0),
                      f"{OP} with tied embeddings: gradient of the shared matrix", rtol=gradient_rounding(torch.float32))
 
+    @covers(OP, grad=True)
+    def test_hidden_double_backward(self, lp: Harness) -> None:
+        """``create_graph=True``: the gradient of ``sum(grad * grad)`` with respect to hidden, weight
+        and bias (a second-order quantity, as a gradient penalty is) is that of float64 autograd of
+        the reference, or backward refuses with an error; a gradient that silently lacks its
+        second-order term fails."""
+        lp.require(OP, torch.float32, grad=True)
+        h, w, b, y = _inputs(lp, (2, 7), v=120)
+        y[0, 3] = -100
+        kw = dict(temperature=0.8, ignore_index=-100, return_entropy=True)
+
+        def second_order(tensors, call):
+            leaves = [t.clone().requires_grad_(True) for t in tensors]
+            logp, ent = call(*leaves)
+            ups = upstream((logp, ent), 11)
+            loss = weighted_sum((logp, ent), ups) + 0.5 * sum((t * t).sum() for t in leaves)
+            grads = torch.autograd.grad(loss, leaves, create_graph=True)
+            return torch.autograd.grad(sum((g * g).sum() for g in grads), leaves)
+
+        try:
+            got = second_order((h, w, b), lambda hh, ww, bb: lp.call_hidden(hh, ww, y, bias=bb, **kw))
+        except RuntimeError as exc:  # refusing is allowed; what fails is a wrong result
+            assert str(exc).strip(), f"{OP}: double backward raised {type(exc).__name__} without a message"
+            return
+        want = second_order([t.detach().cpu().double() for t in (h, w, b)],
+                            lambda hh, ww, bb: lp.reference_hidden(hh, ww, y, bias=bb, **kw))
+        tol = 16 * max(hidden_tolerances(h, w, b, 0.8)) / 0.8 ** 2
+        for name, g, r in zip(INPUTS, got, want):
+            assert_close(g, r, tol * max(float(r.abs().max()), 1.0),
+                         f"{OP}: second-order gradient of {name} through create_graph=True (a wrong value means "
+                         "the second-order term was dropped: run a differentiable backward when "
+                         "torch.is_grad_enabled(), or raise there)", rtol=4 * EPS32)
+
+    @covers(OP)
+    @pytest.mark.parametrize("where", ["forward-and-backward", "forward-only"])
+    def test_hidden_autocast(self, lp: Harness, where: str) -> None:
+        """Under ``torch.autocast`` (bf16, or fp16 where the device lacks bf16), float32 hidden,
+        weight and bias give the results and (where the backend declares autograd) gradients of
+        float32 products, as without autocast, with the backward inside the autocast region and
+        outside it: autocast must not turn the fused op's products into bf16 ones."""
+        lp.require(OP)
+        h, w, b, y = _inputs(lp, (3, 6), h=64, v=500)
+        y[1, 1] = -100
+        kw = dict(temperature=0.8, ignore_index=-100, return_entropy=True)
+        what = f"{OP} under autocast ({where})"
+        if where == "forward-and-backward":
+            with autocast(lp):
+                check_hidden(lp, h, w, b, y, what=what, **kw)
+        else:
+            check_hidden(lp, h, w, b, y, what=what, forward_context=lambda: autocast(lp), **kw)
+
     # ------------------------------------------------------------------ shapes, layouts
     @covers(OP)
     @pytest.mark.parametrize("shape", SHAPES)
@@ -251,19 +311,22 @@ class HiddenSection:
 
     @covers(OP, capability="copies_logits", declared=False)
     def test_hidden_never_materialises_logits(self, lp: Harness) -> None:
-        """hidden (2048, 256) @ weight (8192, 256).T: the call's extra peak stays below half the size
-        of the float32 logits it must not form (64 MiB)."""
+        """hidden (N, 256) @ weight (8192, 256).T from N = 512 to 2048 rows: the call's extra peak
+        memory grows by less than half as much as the float32 logits it must not form (16 to
+        64 MiB). A fixed tile, however large, is allowed: only memory that grows with the rows counts."""
         lp.require(OP)
         require_no_copy(lp)
-        h, w = lp.logits((2048, 256), scale=1.0, seed=8), lp.logits((8192, 256), scale=0.05, seed=9)
-        y = lp.labels((2048,), 8192)
-        size = 2048 * 8192 * 4
+        w = lp.logits((8192, 256), scale=0.05, seed=9)
+
+        def case(rows: int):
+            h, y = lp.logits((rows, 256), scale=1.0, seed=8), lp.labels((rows,), 8192)
+            return (lambda: lp.call_hidden(h, w, y)), rows * 8192 * 4
+
         with torch.no_grad():
-            lp.call_hidden(h, w, y)
-            out, extra = peak(lambda: lp.call_hidden(h, w, y), lp, MEMORY_LIMIT * size)
-        assert extra < MEMORY_LIMIT * size, (
-            f"logprobs_from_hidden allocated {describe(extra)} at its peak, {extra / size:.2f}x the "
-            f"float32 logits ({describe(size)}) it must never form; work through blocks of rows or vocabulary")
+            found = growth(case, (512, 2048), lp)
+        assert found.ratio < MEMORY_LIMIT, (
+            f"logprobs_from_hidden: {found.describe('the float32 logits it must never form')}. Its memory grows "
+            "with the logits: work through blocks of rows or vocabulary.")
 
     # ------------------------------------------------------------- invariances
     @covers(OP, capability="deterministic")

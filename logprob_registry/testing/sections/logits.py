@@ -17,10 +17,9 @@ import pytest
 import torch
 
 from ..harness import DTYPES, LABEL_OPS, LOGITS_OPS, Harness
-from ..memory import describe
 from ..numerics import EPS32, assert_close, gradient_rounding, tolerances
 from . import covers
-from ._common import MEMORY_LIMIT, peak, require_no_copy, upstream, weighted_sum
+from ._common import MEMORY_LIMIT, autocast, growth, require_no_copy, upstream, weighted_sum
 
 SHAPES = {
     "1d": (1000,),
@@ -38,8 +37,10 @@ GRADIENT_SHAPES = ("1d", "empty", "empty-3d", "vocab-1", "vocab-7")
 LARGE_VOCAB = 262144
 STRIDED = ("shifted", "transposed", "every-other-row", "broadcast")
 IGNORE = {"below-range": -100, "above-range": None, "in-range": 0}  # None: V + 5
-# The no-copy checks: a (2, 257, 32768) float32 tensor is 64 MiB, its [:, :-1] slice is strided.
+# The no-copy checks: logits (2, rows + 1, 32768), read through their [:, :-1] slice (strided), at
+# two numbers of rows; (2, 257, 32768) float32 is 64 MiB.
 MEMORY_SHAPE = (2, 257, 32768)
+MEMORY_ROWS = (64, MEMORY_SHAPE[1] - 1)
 
 
 def _accepted(lp: Harness, dtypes: Sequence[torch.dtype]) -> list:
@@ -119,51 +120,50 @@ class LogitsSection:
     @covers(LOGITS_OPS, capability="copies_logits", declared=False)
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_no_copy_of_strided_logits(self, lp: Harness, op: str) -> None:
-        """logits[:, :-1] (32 MiB in bf16, 64 MiB in fp32, strided) is read where it lies: the
-        call's extra peak memory stays below half the logits' size, for bf16 without and fp32 with a
-        temperature (one dtype for both where the backend accepts only one)."""
+        """logits[:, :-1] is read where it lies: from 128 to 512 rows of 32768 (8 to 32 MiB of bf16,
+        16 to 64 MiB of fp32, strided), the call's extra peak memory grows by less than half as
+        much as the logits do, for bf16 without and fp32 with a temperature (one dtype for both
+        where the backend accepts only one). A fixed workspace, however large, is allowed: only
+        memory that grows with the rows counts."""
         lp.require(op)
         require_no_copy(lp)
         accepted = [d for d in (torch.bfloat16, torch.float32) if d in lp.backend.dtypes]
         if not accepted:
             pytest.skip(f"{lp.name} accepts neither bfloat16 nor float32")
         for dtype, temperature in ((accepted[0], 1.0), (accepted[-1], 0.7)):
-            full = lp.logits(MEMORY_SHAPE, dtype, seed=3)
-            labels = lp.labels(MEMORY_SHAPE[:-1], MEMORY_SHAPE[-1])
-            x, y = full[:, :-1], labels[:, 1:]
-            size = x.numel() * x.element_size()
-            call = functools.partial(lp.call, op, x, y, temperature=temperature)
+            def case(rows: int, dtype=dtype, temperature=temperature):
+                shape = (MEMORY_SHAPE[0], rows + 1, MEMORY_SHAPE[2])
+                full = lp.logits(shape, dtype, seed=3)
+                x, y = full[:, :-1], lp.labels(shape[:-1], shape[-1])[:, 1:]
+                return functools.partial(lp.call, op, x, y, temperature=temperature), x.numel() * x.element_size()
+
             with torch.no_grad():
-                call()  # warm-up: lazy init, compilation
-                _, extra = peak(call, lp, MEMORY_LIMIT * size)
-            _ = full = x = call = None  # the result and the logits are freed before the next reading
-            assert extra < MEMORY_LIMIT * size, (
-                f"{op} on strided {dtype} logits {tuple(MEMORY_SHAPE[:1]) + (MEMORY_SHAPE[1] - 1,) + MEMORY_SHAPE[2:]} "
-                f"(T={temperature}) allocated {describe(extra)} at its peak, {extra / size:.2f}x the logits "
-                f"({describe(size)}): it copies the logits. Read them through their strides, a block of rows "
-                "at a time.")
+                found = growth(case, MEMORY_ROWS, lp)
+            assert found.ratio < MEMORY_LIMIT, (
+                f"{op} on strided {dtype} logits of shape ({MEMORY_SHAPE[0]}, rows, {MEMORY_SHAPE[2]}) "
+                f"(T={temperature}): {found.describe('the logits')}. Its memory grows with the logits: it copies "
+                "them (or makes temporaries as large). Read them through their strides, a block of rows at a time.")
 
     @covers(LOGITS_OPS, capability="copies_logits", declared=False, grad=True)
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_forward_keeps_no_copy_for_backward(self, lp: Harness, op: str) -> None:
-        """What the forward pass keeps for backward (strided 64 MiB logits needing gradients)
-        stays below half the logits' size: backward keeps no N x V tensor besides the logits."""
+        """What the forward pass keeps for backward (strided fp32 logits needing gradients, 128 to
+        512 rows of 32768) grows by less than half as much as the logits do: backward keeps no
+        N x V tensor besides the logits."""
         lp.require(op, torch.float32, grad=True)
         require_no_copy(lp)
-        base = lp.logits(MEMORY_SHAPE, seed=3).requires_grad_(True)
-        labels = lp.labels(MEMORY_SHAPE[:-1], MEMORY_SHAPE[-1])
-        x, y = base[:, :-1], labels[:, 1:]
-        size = x.numel() * x.element_size()
-        warm = lp.call(op, x, y)
-        sum(o.sum() for o in warm).backward()
-        del warm
-        base.grad = None
-        out, kept = peak(lambda: lp.call(op, x, y), lp, MEMORY_LIMIT * size, retained=True)
-        del out
-        assert kept < MEMORY_LIMIT * size, (
-            f"the {op} forward pass keeps {describe(kept)} alive for backward, {kept / size:.2f}x the "
-            f"strided logits ({describe(size)}): keep only per-row statistics (max, log-sum-exp) and "
-            "recompute in backward.")
+
+        def case(rows: int):
+            shape = (MEMORY_SHAPE[0], rows + 1, MEMORY_SHAPE[2])
+            base = lp.logits(shape, seed=3).requires_grad_(True)
+            x, y = base[:, :-1], lp.labels(shape[:-1], shape[-1])[:, 1:]
+            return (lambda: lp.call(op, x, y)), x.numel() * x.element_size()
+
+        found = growth(case, MEMORY_ROWS, lp, retained=True)
+        assert found.ratio < MEMORY_LIMIT, (
+            f"the {op} forward pass on strided logits keeps memory alive for backward that grows with them: "
+            f"{found.describe('the logits')}. Keep only per-row statistics (max, log-sum-exp) and recompute in "
+            "backward.")
 
     # ------------------------------------------------------ temperature, ignore
     @covers(LOGITS_OPS)
@@ -372,18 +372,23 @@ class LogitsSection:
                          "their gradient after backward", rtol=4 * EPS32)
 
     @covers(LABEL_OPS, capability="inplace_backward", grad=True)
-    @pytest.mark.parametrize("layout", ["view-of-non-leaf", "leaf-view"])
+    @pytest.mark.parametrize("layout", ["view-of-non-leaf", "leaf-view", "broadcast"])
     @pytest.mark.parametrize("op", LABEL_OPS)
     def test_inplace_backward_strided(self, lp: Harness, op: str, layout: str) -> None:
         """``inplace_backward=True`` on strided ``logits[:, :-1]``, a slice of an lm_head's output
         (``view-of-non-leaf``) or a leaf that is a view of a larger tensor (``leaf-view``): the
         gradient is right and the rows outside the view keep their values; a backend that declares
-        ``inplace_backward`` writes the gradient through the view's strides."""
+        ``inplace_backward`` writes the gradient through the view's strides. On a ``broadcast``
+        batch (stride 0: one row's memory stands for several rows, so no gradient fits in it) the
+        flag is honoured out of place: the gradient, summed over the copies, is right."""
         lp.require(op, torch.float32, grad=True)
         base = lp.logits((3, 8, 450))
         y = lp.labels((3, 8), 450)[:, 1:]
         kw = dict(temperature=0.8, ignore_index=-100)
-        if layout == "view-of-non-leaf":
+        if layout == "broadcast":
+            storage = base[:1].clone().requires_grad_(True) * 1.0  # one row of an lm_head's output
+            logits = storage.expand(3, -1, -1)[:, :-1]
+        elif layout == "view-of-non-leaf":
             storage = base.clone().requires_grad_(True) * 1.0
             logits = storage[:, :-1]
         else:
@@ -392,17 +397,94 @@ class LogitsSection:
         assert not logits.is_contiguous()
         outs = lp.call(op, logits, y, inplace_backward=True, **kw)
         ups = upstream(outs, 5)
+        what = f"{op}, inplace_backward=True on {layout} logits of strides {logits.stride()}"
+        if layout == "broadcast":
+            (grad,) = torch.autograd.grad(weighted_sum(outs, ups), storage)
+            ref_storage = base[:1].detach().cpu().double().requires_grad_(True)
+            weighted_sum(lp.reference(op, ref_storage.expand(3, -1, -1)[:, :-1], y, **kw), ups).backward()
+            atol = 3 * 4 * max(tolerances(op, base, 0.8)) * _largest(ups) / 0.8  # a sum over 3 copies
+            assert_close(grad, ref_storage.grad, atol, f"{what}: gradient, summed over the copies", rtol=4 * EPS32)
+            return
         (grad,) = torch.autograd.grad(weighted_sum(outs, ups), logits)
         ref_x = base[:, :-1].detach().cpu().double().requires_grad_(True)
         weighted_sum(lp.reference(op, ref_x, y, **kw), ups).backward()
         atol = 4 * max(tolerances(op, base, 0.8)) * _largest(ups) / 0.8
-        what = f"{op}, inplace_backward=True on {layout} logits of strides {logits.stride()}"
         assert_close(grad, ref_x.grad, atol, f"{what}: gradient", rtol=4 * EPS32)
         assert torch.equal(storage.detach()[:, -1], base[:, -1]), f"{what}: the rows outside the view changed"
         if lp.backend.inplace_backward:
             assert_close(storage.detach()[:, :-1], ref_x.grad, atol,
                          f"{what}: {lp.name} declares inplace_backward=True, so the view must hold the "
                          "gradient after backward, written through its strides", rtol=4 * EPS32)
+
+    # ------------------------------------------------------------ second order, autocast
+    @covers(LOGITS_OPS, grad=True)
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_double_backward(self, lp: Harness, op: str) -> None:
+        """``create_graph=True`` (a Hessian-vector product): the gradient of the gradient is that of
+        float64 autograd of the reference, or backward refuses with an error. What fails is a
+        gradient that silently lacks its second-order term (a backward that ignores grad mode, as
+        ``once_differentiable`` does when the upstream gradient needs none): the loss also has a
+        term of its own, as a training loss would, so a missing term shows as a wrong product."""
+        lp.require(op, torch.float32, grad=True)
+        x0 = lp.logits((3, 5, 300))
+        y = lp.labels((3, 5), 300)
+        y[1, 2] = -100
+        kw = dict(temperature=0.8) if op == "entropy" else dict(temperature=0.8, ignore_index=-100)
+        v = lp.logits((3, 5, 300), seed=7, scale=1.0)
+
+        def hessian_vector_product(leaf, outs, ups):
+            loss = weighted_sum(outs, ups) + 0.5 * (leaf * leaf).sum()
+            (g,) = torch.autograd.grad(loss, leaf, create_graph=True)
+            return torch.autograd.grad((g * v.to(g.device, g.dtype)).sum(), leaf)[0]
+
+        leaf = x0.clone().requires_grad_(True)
+        outs = lp.call(op, leaf, y, **kw)
+        ups = upstream(outs, 5)
+        try:
+            got = hessian_vector_product(leaf, outs, ups)
+        except RuntimeError as exc:  # refusing is allowed; what fails is a wrong result
+            assert str(exc).strip(), f"{op}: double backward raised {type(exc).__name__} without a message"
+            return
+        ref_x = x0.detach().cpu().double().requires_grad_(True)
+        want = hessian_vector_product(ref_x, lp.reference(op, ref_x, y, **kw), ups)
+        atol = 16 * max(tolerances(op, x0, 0.8)) * _largest(ups) * _largest([v]) / 0.8 ** 2
+        assert_close(got, want, atol,
+                     f"{op}: Hessian-vector product through create_graph=True (a wrong product means the "
+                     "second-order term was dropped: run a differentiable backward when torch.is_grad_enabled(), "
+                     "or raise there)", rtol=4 * EPS32)
+
+    @covers(LOGITS_OPS)
+    @pytest.mark.parametrize("where", ["forward-and-backward", "forward-only"])
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_autocast(self, lp: Harness, op: str, where: str) -> None:
+        """Under ``torch.autocast`` (bf16, or fp16 where the device lacks bf16) the float32 logits'
+        results and, where the backend declares autograd, gradients are those without autocast,
+        within the contract: with the backward inside the autocast region and outside it."""
+        lp.require(op)
+        x0 = lp.logits((3, 5, 700))
+        y = lp.labels((3, 5), 700)
+        y[0, 1] = -100
+        kw = dict(temperature=0.9) if op == "entropy" else dict(temperature=0.9, ignore_index=-100)
+        leaf = x0.clone().requires_grad_(lp.backend.autograd)
+        with autocast(lp):
+            outs = lp.call(op, leaf, y, **kw)
+            ups = upstream(outs, 5)
+            if lp.backend.autograd and where == "forward-and-backward":
+                weighted_sum(outs, ups).backward()
+        if lp.backend.autograd and where == "forward-only":
+            weighted_sum(outs, ups).backward()
+        ref_x = x0.detach().cpu().double().requires_grad_(True)
+        refs = lp.reference(op, ref_x, y, **kw)
+        for i, (g, w, tol) in enumerate(zip(outs, refs, tolerances(op, x0, 0.9))):
+            assert g.dtype == torch.float32, f"{op} output {i} under autocast is {g.dtype}, expected float32"
+            assert_close(g, w, tol, f"{op} output {i} under autocast ({where})")
+        if lp.backend.autograd:
+            weighted_sum(refs, ups).backward()
+            atol = 4 * max(tolerances(op, x0, 0.9)) * _largest(ups) / 0.9
+            assert leaf.grad is not None and leaf.grad.dtype == torch.float32, (
+                f"{op}: the gradient under autocast ({where}) is {None if leaf.grad is None else leaf.grad.dtype}, "
+                "expected float32")
+            assert_close(leaf.grad, ref_x.grad, atol, f"{op}: gradient under autocast ({where})", rtol=4 * EPS32)
 
     # ------------------------------------------------------------- invariances
     @covers(LOGITS_OPS, capability="deterministic", declared=True)
