@@ -50,6 +50,10 @@ class Backend:
       importable module);
     - ``available``: optional ``f(environment, device_type) -> None or a sentence saying why not``;
     - ``features``: optional options of the op table it implements (see ``opspec.FEATURES``);
+    - ``min_vocab``: the automatic choice passes it over for calls whose vocabulary bucket lies
+      below this size (a backend whose fixed cost is not worth paying on small rows); an
+      explicit choice is unaffected. Buckets, not exact sizes, so that the choice never depends
+      on anything but the vocabulary's bucket (``registry.key.VOCAB_BUCKETS``);
     - capabilities (:data:`CAPABILITIES`): what it promises, each checked by the suite;
     - ``memory``, ``description``: words for ``explain`` and ``info``.
 
@@ -68,6 +72,7 @@ class Backend:
     autograd: bool = True
     available: Optional[Availability] = None
     features: frozenset = frozenset()
+    min_vocab: int = 0
     inplace_backward: bool = False
     batch_invariant: bool = False
     deterministic: bool = True
@@ -120,6 +125,8 @@ class Backend:
                     f"backend {self.name!r}: requires entry {req!r} is not a requirement such as "
                     "'triton>=3.6' or 'torch_npu'"
                 ) from exc
+        if isinstance(self.min_vocab, bool) or not isinstance(self.min_vocab, int) or self.min_vocab < 0:
+            raise ValueError(f"backend {self.name!r}: min_vocab must be an int >= 0, got {self.min_vocab!r}")
         features = frozenset({self.features} if isinstance(self.features, str) else self.features)
         unknown = sorted(features - set(FEATURES))
         if unknown:

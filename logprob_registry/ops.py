@@ -13,7 +13,7 @@ from . import validation as v
 from .backend import Backend
 from .opspec import OPS
 from .opspec import get as get_spec
-from .registry import Key, get_registry
+from .registry import Key, get_registry, vocab_bucket
 from .report import Explanation
 
 _DEVICE_TYPE = re.compile(r"^([a-z][a-z0-9_]*)(:\d+)?$")
@@ -25,7 +25,8 @@ def _dispatch(op: str, backend: Optional[str], inputs: Tuple[Any, ...], options:
     features = OPS[op].features_used(options)
     if v.inside_functorch_transform():
         features = features | _FUNCTORCH
-    return get_registry().call(Key(op, on.device.type, on.dtype, grad, features), backend, inputs, options)
+    vocab = vocab_bucket(inputs[1].shape[0] if op == "logprobs_from_hidden" else on.shape[-1])
+    return get_registry().call(Key(op, on.device.type, on.dtype, grad, features, vocab), backend, inputs, options)
 
 
 def _logits_and_labels(logits, labels, temperature, ignore_index):
@@ -119,8 +120,12 @@ def logprobs_from_hidden(
                      v.needs_grad(hidden, weight, bias))
 
 
-def _key(op: str, device, dtype, requires_grad: bool) -> Key:
+def _key(op: str, device, dtype, requires_grad: bool, shape=None) -> Key:
     get_spec(op)
+    if shape is not None:
+        shape = tuple(shape.shape if isinstance(shape, torch.Tensor) else shape)
+        if not shape or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise ValueError(f"shape must be the logits' shape (..., V), such as (8, 512, 32000), got {shape!r}")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
     if device is None:
@@ -133,7 +138,8 @@ def _key(op: str, device, dtype, requires_grad: bool) -> Key:
         device_type = _DEVICE_TYPE.match(device.strip()).group(1)
     else:
         raise ValueError(f"device must be a device type such as 'cpu', 'cuda' or 'cuda:1', got {device!r}")
-    return Key(op, device_type, dtype or torch.float32, bool(requires_grad))
+    vocab = vocab_bucket(shape[-1]) if shape is not None else 0
+    return Key(op, device_type, dtype or torch.float32, bool(requires_grad), vocab=vocab)
 
 
 def select(
@@ -142,10 +148,13 @@ def select(
     device: Union[str, torch.device, None] = None,
     dtype: Optional[torch.dtype] = None,
     requires_grad: bool = False,
+    shape=None,
 ) -> Backend:
     """The backend a call would use for ``op`` on tensors of this device (default: the machine's
-    main device) and dtype (default float32), honouring any explicit choice in force."""
-    return get_registry().select(_key(op, device, dtype, requires_grad))
+    main device) and dtype (default float32), honouring any explicit choice in force. ``shape``
+    (the logits' shape, or a tensor) gives the vocabulary size, whose bucket may matter; the
+    number of rows never does."""
+    return get_registry().select(_key(op, device, dtype, requires_grad, shape))
 
 
 def explain(
@@ -154,9 +163,12 @@ def explain(
     device: Union[str, torch.device, None] = None,
     dtype: Optional[torch.dtype] = None,
     requires_grad: bool = False,
+    shape=None,
 ) -> Explanation:
-    """Every backend's verdict for ``op`` on such tensors, with reasons; ``str()`` is a table."""
-    return get_registry().explain(_key(op, device, dtype, requires_grad))
+    """Every backend's verdict for ``op`` on such tensors, with reasons; ``str()`` is a table.
+    ``shape`` (the logits' shape) adds the vocabulary's bucket: backends not worth choosing for it
+    and a tuning ranking's measured times then show."""
+    return get_registry().explain(_key(op, device, dtype, requires_grad, shape))
 
 
 def backends() -> list:

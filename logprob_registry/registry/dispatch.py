@@ -21,6 +21,7 @@ mark. A failure inside a backward pass cannot be retried: it reaches the caller.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import os
 import sys
 import threading
@@ -38,6 +39,7 @@ from .errors import BackendFallbackWarning, NoEligibleBackendError
 from .key import Key
 from .plugins import PluginSet, error_line
 from .ranking import Verdict, automatic, rank, why_not
+from ..tuning.cache import Tuning
 
 ENV_VAR = config.BACKEND.name
 UNTESTED = config.declare(config.Variable(
@@ -84,6 +86,7 @@ class Dispatcher:
         self._cache: Dict[Key, Backend] = {}
         self._explicit_ok: Dict[Tuple[str, Key], Backend] = {}
         self._broken: Dict[Key, Dict[str, str]] = {}
+        self.tuning = Tuning()
         self._state: Tuple[Any, int] = (None, -1)  # (environment, plugins.generation) the caches are for
 
     # --------------------------------------------------------------- state
@@ -129,7 +132,8 @@ class Dispatcher:
 
     def verdicts(self, key: Key) -> List[Verdict]:
         env = self.env()
-        return rank(self._plugins.backends(), key, env, self._broken.get(key), config.get(UNTESTED.name))
+        measured = self.tuning.entry(key, env, self._plugins.versions()) if key.vocab else None
+        return rank(self._plugins.backends(), key, env, self._broken.get(key), config.get(UNTESTED.name), measured)
 
     def select(self, key: Key, backend: Optional[str] = None) -> Backend:
         """The backend that runs ``key``: the explicit choice if any, else the automatic one."""
@@ -182,8 +186,7 @@ class Dispatcher:
             chosen = forced if any(v.name == forced and v.reason is None for v in verdicts) else None
         else:
             chosen = automatic(verdicts)
-        marked = [Verdict(v.name, v.priority, v.origin, v.reason, v.broken, v.name == chosen, v.transient)
-                  for v in verdicts]
+        marked = [dataclasses.replace(v, chosen=v.name == chosen) for v in verdicts]
         return Explanation(key, marked, chosen, f"{forced} ({source})" if forced else None,
                            tuple(self._plugins.failures()))
 
