@@ -30,6 +30,7 @@ from logprob_registry.registry import get_registry
 from .harness import DTYPES, LABEL_OPS, LOGITS_OPS, Harness, default_device
 from .memory import MemoryMeasurementUnavailable, describe, peak_extra_bytes
 from .numerics import EPS32, assert_close, tolerances
+from .sections import semantics
 
 SHAPES = {
     "1d": (1000,),
@@ -67,6 +68,8 @@ def not_declared(backend: Backend, test: str, params: dict) -> Optional[str]:
     Known before the test runs, unlike a missing device or dtype: a project running the suite over
     its own backends can deselect such tests instead of skipping them (this project's
     ``tests/conftest.py`` does); at run time the test skips with the same reason."""
+    if (reason := semantics.not_declared(backend, test, params)) is not None:  # features (sections/semantics.py)
+        return reason
     op = "logprobs_from_hidden" if test.startswith("test_hidden_") else params.get("op")
     if op is not None and not backend.supports(op):
         return f"{backend.name} does not implement {op}"
@@ -80,7 +83,7 @@ def _grad_dtype_eps(dtype: torch.dtype) -> float:
     return max(torch.finfo(dtype).eps, 4 * EPS32) if dtype != torch.float64 else 4 * EPS32
 
 
-class BackendConformance:
+class BackendConformance(semantics.SemanticsSection):
     """Base class of the conformance suite: set ``backend`` (and optionally ``device``).
 
     ``backend``: the registered name. None takes ``--logprob-backend`` from the command line.
