@@ -346,21 +346,27 @@ def processed_logprobs(logits: torch.Tensor, *, temperature: float = 1.0, dtype:
 
 def topk_ids(values: torch.Tensor, k: int) -> torch.Tensor:
     """The ids of the ``k`` largest ``values`` along the last dim, largest first, ties by smaller
-    id (NaN counts as the largest, as in ``torch.topk``). One row-wise pass plus a sort of ``k``."""
+    id (NaN counts as the largest, as in ``torch.topk``): ``torch.topk``, then, in the rows where a
+    tie at the k-th value has more copies than places, the smallest ids among them."""
     values = values.detach()
-    key = torch.where(torch.isnan(values), torch.full((), math.inf, dtype=values.dtype, device=values.device),
-                      values)
-    lead, vocab = key.shape[:-1], key.shape[-1]
-    if key.numel() == 0:
-        return torch.zeros(lead + (k,), dtype=torch.int64, device=key.device)
-    kth = torch.topk(key, k, -1).values[..., -1:]
-    above = key > kth
-    tied = key == kth
-    room = k - above.sum(-1, keepdim=True)
-    chosen = above | (tied & (tied.cumsum(-1, dtype=torch.int32) <= room))
-    ids = chosen.reshape(-1, vocab).nonzero()[:, 1].view(lead + (k,))  # ascending ids per row
-    order = torch.sort(key.gather(-1, ids), dim=-1, descending=True, stable=True).indices
-    return ids.gather(-1, order)
+    lead, vocab = values.shape[:-1], values.shape[-1]
+    if values.numel() == 0:
+        return torch.zeros(lead + (k,), dtype=torch.int64, device=values.device)
+    inf = torch.full((), math.inf, dtype=values.dtype, device=values.device)
+    key = torch.where(torch.isnan(values), inf, values).reshape(-1, vocab)
+    top, ids = torch.topk(key, k, -1)
+    kth = top[:, -1:]
+    short = ((key == kth).sum(-1) > (top == kth).sum(-1)).nonzero().squeeze(-1)
+    if short.numel():  # torch.topk chose among the tied copies freely: take the smallest ids
+        rows = key[short]
+        above, tied = rows > kth[short], rows == kth[short]
+        room = k - above.sum(-1, keepdim=True)
+        chosen = above | (tied & (tied.cumsum(-1, dtype=torch.int32) <= room))
+        ids[short] = chosen.nonzero()[:, 1].view(-1, k)
+        top[short] = rows.gather(-1, ids[short])
+    ids, order = ids.sort(-1)  # ascending ids, then a stable sort by value: ties by smaller id
+    order = torch.sort(top.gather(-1, order), dim=-1, descending=True, stable=True).indices
+    return ids.gather(-1, order).view(lead + (k,))
 
 
 def topk_logprobs(logits: torch.Tensor, k: int, *, temperature: float = 1.0, dtype: torch.dtype = torch.float64,
