@@ -141,6 +141,14 @@ def test_cli_prints_the_report(capsys, tmp_path):
     assert all(r["within_rounding"] and r["settings"]["top_k"] == 50 for r in doc["reports"])
 
 
+def test_cli_loads_a_saved_model(models, capsys, tmp_path):
+    models["tiny-llama"].save_pretrained(tmp_path / "llama")
+    rc = main(["parity", "--model", str(tmp_path / "llama"), "--prompts", "1", "--new-tokens", "4", "--device", "cpu"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert f"{tmp_path / 'llama'} (float32, V=1024, no softcap)" in text and "within what rounding explains" in text
+
+
 def test_cli_usage_errors(capsys, tmp_path):
     assert main(["parity", "--model", str(tmp_path / "missing")]) == 2
     assert "is not a directory" in capsys.readouterr().err
