@@ -126,8 +126,8 @@ class ModelReport:
     max_mass_error: float  # max |Δ(without replay) - log(kept mass)|
     mean_kept_tokens: float
     logit_drift: float  # max |logits(generate) - logits(teacher-forced forward)|, both the model's
-    bound_replay: float  # largest |Δ| fp32 rounding explains, with replay
-    bound_full: float  # largest |Δ - log(kept mass)| fp32 rounding explains, without
+    bound_replay: float  # largest |Δ| rounding explains, with replay (see rounding_bound)
+    bound_full: float  # largest |Δ - log(kept mass)| rounding explains, without
     versions: Dict[str, str]
     data: Optional[TokenData] = field(default=None, repr=False)
 
