@@ -135,23 +135,62 @@ def truncation_boundary(y: torch.Tensor, *, top_k: Optional[int] = None, top_p: 
         kth = torch.topk(y, top_k, -1).values[:, -1:]
         y.masked_fill_(y < kth, NEG_INF)
         del kth
+    boundary = None
     if top_p is not None and top_p < 1.0:
-        values, order = torch.sort(y, dim=-1, stable=True)
-        cumulative = torch.softmax(values, -1)
-        torch.cumsum(cumulative, -1, out=cumulative)
-        drop = cumulative <= _f32(1.0, y) - _f32(top_p, y)
-        del cumulative
-        drop[:, -1] = False
-        values.masked_fill_(drop, NEG_INF)
-        del drop
-        y.scatter_(1, order, values)
-        del values, order
+        boundary = _top_p_boundary(y, top_p)
     nan = torch.isnan(y)
     kept = (y != NEG_INF) & ~nan
     t = torch.where(kept, y, torch.full((), math.inf, device=y.device)).amin(-1)
     first = kept & (y == t.unsqueeze(-1))
     j = torch.where(first.any(-1), first.to(torch.uint8).argmax(-1), vocab)  # argmax: the first maximum
+    if boundary is not None:
+        # where top_p's boundary is a real token (not -inf, as in a row of NaN), it is the answer
+        real = torch.isfinite(boundary[0])
+        t, j = torch.where(real, boundary[0], t), torch.where(real, boundary[1], j)
     return t, j
+
+
+def sorted_values(y: torch.Tensor) -> torch.Tensor:
+    """``torch.sort(y, dim=-1).values``. The sorted values of a row do not depend on the algorithm
+    (only the order of equal values' ids does, which is not asked here), so on the CPU numpy's sort,
+    several times faster than torch's, is used when numpy is installed."""
+    if y.device.type == "cpu" and not y.requires_grad:
+        try:
+            import numpy as np
+        except ImportError:
+            pass
+        else:
+            return torch.from_numpy(np.sort(y.numpy(), axis=-1))
+    return torch.sort(y, dim=-1).values
+
+
+def _top_p_boundary(y: torch.Tensor, top_p: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's top_p on rows ``y`` (min_p and top_k already applied as -inf): the first kept token
+    ``(t, j)`` in ascending ``(value, id)`` order, the order of vLLM's sort made stable.
+
+    vLLM sorts ascending, takes the softmax of the sorted row and its cumulative sum, and drops the
+    positions with ``cumsum <= 1 - p`` except the last. The sorted values (and so the softmax and the
+    sums, bit for bit) are those of any sort; the first kept position ``b`` holds value ``t``, and
+    the stable order puts equal values by ascending id, so ``j`` is the id of the ``(b - #{y < t})``-th
+    token equal to ``t``."""
+    values = sorted_values(y)
+    cumulative = torch.softmax(values, -1)
+    torch.cumsum(cumulative, -1, out=cumulative)
+    drop = cumulative <= _f32(1.0, y) - _f32(top_p, y)
+    del cumulative
+    drop[:, -1] = False
+    b = (~drop).to(torch.uint8).argmax(-1)  # the first kept position
+    del drop
+    t = values.gather(1, b.unsqueeze(-1))
+    rank = b - (values < t).sum(-1)  # copies of t dropped before it
+    del values
+    equal = y == t
+    j = equal.to(torch.uint8).argmax(-1)
+    tied = (rank > 0).nonzero().squeeze(-1)
+    if tied.numel():  # a tie straddles the boundary: the rank-th copy by ascending id
+        counts = equal[tied].to(torch.int32).cumsum(-1)
+        j[tied] = (equal[tied] & (counts == rank[tied].unsqueeze(-1) + 1)).to(torch.uint8).argmax(-1)
+    return t.squeeze(-1), j
 
 
 def kept_from_boundary(y: torch.Tensor, boundary: Optional[Tuple[torch.Tensor, torch.Tensor]],
