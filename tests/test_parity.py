@@ -70,6 +70,34 @@ def test_without_replay_the_mean_ratio_is_the_kept_mass(reports, name):
     assert r.full.max_abs > 100 * r.bound_replay and r.full.outside_band > 0.5
 
 
+def _replay_backends():
+    from logprob_registry.registry import Key, get_registry
+
+    key = Key("logprobs_from_hidden", "cpu", torch.float32, False, frozenset({"softcap", "top_k", "top_p"}))
+    return [v.name for v in get_registry().verdicts(key) if v.eligible]
+
+
+def test_replay_backends_found():
+    assert {"naive", "chunked"} <= set(_replay_backends())
+
+
+@pytest.mark.parametrize("backend", _replay_backends())
+def test_every_backend_that_replays_matches_the_generation(models, reports, backend):
+    """The report ran through the automatic choice; each eligible backend replays the same tokens
+    to within the same bound."""
+    for name, r in reports.items():
+        d, model = r.data, models[name]
+        got = []
+        for seq in d.sequences:
+            with torch.no_grad():
+                hidden = model.get_decoder()(input_ids=seq[None, :-1]).last_hidden_state[0, d.prompt_length - 1:]
+                got.append(lr.logprobs_from_hidden(hidden, model.lm_head.weight, seq[d.prompt_length:],
+                                                   temperature=0.7, top_k=50, top_p=0.8,
+                                                   softcap=parity.model_softcap(model), backend=backend))
+        m = parity.metrics(torch.cat(got), d.generation)
+        assert m.outside_kept == 0 and m.max_abs <= r.bound_replay, (name, m)
+
+
 def test_a_replay_without_the_softcap_is_caught(models, reports):
     """Gemma-2's softcap, left out of the replay, moves the logprobs far beyond the bound."""
     model, r = models["tiny-gemma2"], reports["tiny-gemma2"]
