@@ -12,7 +12,7 @@ import torch
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
-from .dtypes import FLOAT_DTYPES, dtype_name
+from .dtypes import FLOAT_DTYPES
 from .opspec import FEATURES, OPS
 
 if TYPE_CHECKING:
@@ -164,12 +164,10 @@ class Backend:
         return op in self.ops
 
     def __repr__(self) -> str:
-        dtypes = ",".join(sorted(dtype_name(d) for d in self.dtypes))
-        promises = [c for c in CAPABILITIES if c != "autograd" and getattr(self, c)]
-        extra = f" promises={promises}" if promises else ""
         origin = f" from {self.origin}" if self.origin else ""
-        return (f"<Backend {self.name!r} priority={self.priority} ops={sorted(self.ops)} "
-                f"devices={sorted(self.devices)} dtypes={dtypes}{extra}{origin}>")
+        features = f", features={len(self.features)}" if self.features else ""
+        return (f"<Backend {self.name!r} priority={self.priority}, {len(self.ops)} ops, "
+                f"devices {','.join(sorted(self.devices))}{features}{origin}>")
 
 
 def _deprecated(name: str, old: str, new: str) -> None:

@@ -18,25 +18,31 @@ from .report import Explanation
 
 _DEVICE_TYPE = re.compile(r"^([a-z][a-z0-9_]*)(:\d+)?$")
 _FUNCTORCH = frozenset({"functorch"})
+_CANDIDATES = frozenset({"candidates"})
 
 
 def _dispatch(op: str, backend: Optional[str], inputs: Tuple[Any, ...], options: Dict[str, Any],
-              on: torch.Tensor, grad: bool) -> Any:
+              on: torch.Tensor, grad: bool, candidates: bool = False) -> Any:
     features = OPS[op].features_used(options)
+    if candidates:
+        features = features | _CANDIDATES
     if v.inside_functorch_transform():
         features = features | _FUNCTORCH
     vocab = vocab_bucket(inputs[1].shape[0] if op == "logprobs_from_hidden" else on.shape[-1])
     return get_registry().call(Key(op, on.device.type, on.dtype, grad, features, vocab), backend, inputs, options)
 
 
-def _logits_and_labels(logits, labels, temperature, ignore_index):
+def _logits_options(logits, labels, temperature, ignore_index, softcap, top_k, top_p, min_p, keep):
+    """Validated (logits, labels, options) of a logits op; ``labels`` may be None (entropy)."""
     config.check()
     logits = v.check_logits(logits)
-    labels = v.check_labels(labels, logits, "logits")
-    temperature = v.check_temperature(temperature)
-    ignore_index = v.check_ignore_index(ignore_index)
-    v.check_label_range(labels, logits.shape[-1], ignore_index)
-    return logits, labels, temperature, ignore_index
+    options: Dict[str, Any] = dict(temperature=v.check_temperature(temperature))
+    if labels is not None:
+        labels = v.check_labels(labels, logits, "logits", candidates=True)
+        options["ignore_index"] = v.check_ignore_index(ignore_index)
+        v.check_label_range(labels, logits.shape[-1], options["ignore_index"])
+    options.update(v.sampler_options(softcap, top_k, top_p, min_p, keep, logits.shape, logits.device))
+    return logits, labels, options
 
 
 def logprobs_from_logits(
@@ -46,29 +52,45 @@ def logprobs_from_logits(
     temperature: float = 1.0,
     ignore_index: Optional[int] = None,
     inplace_backward: bool = False,
+    softcap: Optional[float] = None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
+    keep: Optional[torch.Tensor] = None,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
-    """``log_softmax(logits / temperature)[..., labels]``, accumulated in at least fp32.
+    """``log_softmax(processed logits)[..., labels]``, accumulated in at least fp32.
 
-    ``logits`` has shape ``(..., V)`` and any strides; ``labels`` has shape ``(...)``. The result is
-    float32 (float64 for float64 logits). Positions whose label equals ``ignore_index`` give 0 and
-    a zero gradient. With ``inplace_backward=True`` the backward pass may overwrite the logits'
-    storage with their gradient (use it only when the logits are not needed afterwards).
-    ``backend`` forces a backend by name.
+    ``logits`` has shape ``(..., V)`` and any strides; ``labels`` has shape ``(...)``, or
+    ``(..., K)`` for K candidate tokens per position. The result is float32 (float64 for float64
+    logits) of the labels' shape. Positions whose label equals ``ignore_index`` give 0 and a zero
+    gradient. The logits are processed as a sampler does (vLLM's order): ``softcap``, division by
+    ``temperature``, then ``min_p``, ``top_k``, ``top_p`` and ``keep`` truncate the distribution,
+    renormalised over the kept tokens; a label outside them gives ``-inf`` and a zero gradient.
+    With ``inplace_backward=True`` the backward pass may overwrite the logits' storage with their
+    gradient (use it only when the logits are not needed afterwards). ``backend`` forces a backend.
     """
-    logits, labels, temperature, ignore_index = _logits_and_labels(logits, labels, temperature, ignore_index)
-    options = dict(temperature=temperature, ignore_index=ignore_index,
-                   inplace_backward=v.check_flag(inplace_backward, "inplace_backward"))
-    return _dispatch("logprobs", backend, (logits, labels), options, logits, v.needs_grad(logits))
+    logits, labels, options = _logits_options(logits, labels, temperature, ignore_index,
+                                              softcap, top_k, top_p, min_p, keep)
+    options["inplace_backward"] = v.check_flag(inplace_backward, "inplace_backward")
+    return _dispatch("logprobs", backend, (logits, labels), options, logits, v.needs_grad(logits),
+                     v.has_candidates(labels, logits))
 
 
 def entropy_from_logits(
-    logits: torch.Tensor, *, temperature: float = 1.0, backend: Optional[str] = None
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    softcap: Optional[float] = None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
+    keep: Optional[torch.Tensor] = None,
+    backend: Optional[str] = None,
 ) -> torch.Tensor:
-    """Entropy of ``softmax(logits / temperature)`` over the last dimension, in at least fp32."""
-    config.check()
-    logits = v.check_logits(logits)
-    options = dict(temperature=v.check_temperature(temperature))
+    """Entropy of the processed distribution (see :func:`logprobs_from_logits`) over the last
+    dimension, in at least fp32."""
+    logits, _, options = _logits_options(logits, None, temperature, None, softcap, top_k, top_p, min_p, keep)
     return _dispatch("entropy", backend, (logits,), options, logits, v.needs_grad(logits))
 
 
@@ -79,16 +101,20 @@ def logprobs_and_entropy(
     temperature: float = 1.0,
     ignore_index: Optional[int] = None,
     inplace_backward: bool = False,
+    softcap: Optional[float] = None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
+    keep: Optional[torch.Tensor] = None,
     backend: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(logprobs, entropy)`` in one call; see :func:`logprobs_from_logits`.
-
-    The entropy of an ignored position is computed as usual (it does not depend on the label).
-    """
-    logits, labels, temperature, ignore_index = _logits_and_labels(logits, labels, temperature, ignore_index)
-    options = dict(temperature=temperature, ignore_index=ignore_index,
-                   inplace_backward=v.check_flag(inplace_backward, "inplace_backward"))
-    return _dispatch("logprobs_and_entropy", backend, (logits, labels), options, logits, v.needs_grad(logits))
+    """``(logprobs, entropy)`` in one call, both of the same processed distribution; see
+    :func:`logprobs_from_logits`. The entropy of an ignored position is computed as usual."""
+    logits, labels, options = _logits_options(logits, labels, temperature, ignore_index,
+                                              softcap, top_k, top_p, min_p, keep)
+    options["inplace_backward"] = v.check_flag(inplace_backward, "inplace_backward")
+    return _dispatch("logprobs_and_entropy", backend, (logits, labels), options, logits, v.needs_grad(logits),
+                     v.has_candidates(labels, logits))
 
 
 def logprobs_from_hidden(
@@ -100,24 +126,56 @@ def logprobs_from_hidden(
     temperature: float = 1.0,
     ignore_index: Optional[int] = None,
     return_entropy: bool = False,
+    softcap: Optional[float] = None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
+    keep: Optional[torch.Tensor] = None,
+    logits_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Log-probabilities of ``labels`` under ``hidden @ weight.T + bias``, without requiring the
     backend to materialise the ``(..., V)`` logits.
 
     ``hidden`` is ``(..., H)``, ``weight`` is ``(V, H)`` (the lm_head), ``bias`` is ``(V,)``. Hidden,
-    weight and bias must share one dtype. Returns ``logprobs`` or ``(logprobs, entropy)``.
+    weight and bias must share one dtype. The logits are exact fp32 products unless
+    ``logits_dtype`` (torch.bfloat16 or torch.float16) rounds each to that dtype first, as an
+    inference engine whose lm_head runs in it. The sampler keywords work as in
+    :func:`logprobs_from_logits`. Returns ``logprobs`` or ``(logprobs, entropy)``.
     """
     config.check()
     hidden, weight, bias = v.check_hidden(hidden, weight, bias)
-    labels = v.check_labels(labels, hidden, "hidden")
-    temperature = v.check_temperature(temperature)
+    labels = v.check_labels(labels, hidden, "hidden", candidates=True)
     ignore_index = v.check_ignore_index(ignore_index)
     v.check_label_range(labels, weight.shape[0], ignore_index)
-    options = dict(bias=bias, temperature=temperature, ignore_index=ignore_index,
-                   return_entropy=v.check_flag(return_entropy, "return_entropy"))
+    logits_shape = hidden.shape[:-1] + (weight.shape[0],)
+    options = dict(bias=bias, temperature=v.check_temperature(temperature), ignore_index=ignore_index,
+                   return_entropy=v.check_flag(return_entropy, "return_entropy"),
+                   **v.sampler_options(softcap, top_k, top_p, min_p, keep, logits_shape, hidden.device),
+                   logits_dtype=v.check_logits_dtype(logits_dtype))
     return _dispatch("logprobs_from_hidden", backend, (hidden, weight, labels), options, hidden,
-                     v.needs_grad(hidden, weight, bias))
+                     v.needs_grad(hidden, weight, bias), v.has_candidates(labels, hidden))
+
+
+def topk_logprobs(
+    logits: torch.Tensor,
+    k: int,
+    *,
+    temperature: float = 1.0,
+    softcap: Optional[float] = None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
+    keep: Optional[torch.Tensor] = None,
+    backend: Optional[str] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest processed log-probabilities of each position and their token ids:
+    ``(values float32 (..., k), ids int64 (..., k))``, largest first, ties by smaller id. Where the
+    sampler keywords keep fewer than ``k`` tokens, the rest are ``-inf``. For distillation and
+    KL-to-teacher losses; differentiable through ``values``."""
+    logits, _, options = _logits_options(logits, None, temperature, None, softcap, top_k, top_p, min_p, keep)
+    options["k"] = v.check_k(k, logits.shape[-1])
+    return _dispatch("topk_logprobs", backend, (logits,), options, logits, v.needs_grad(logits))
 
 
 def _key(op: str, device, dtype, requires_grad: bool, shape=None) -> Key:

@@ -38,7 +38,7 @@ class OpSpec:
     """One op: ``backend.ops[name](*inputs, **options)`` returns ``outputs``."""
 
     name: str
-    function: str              # the public function of logprob_registry that dispatches to it
+    function: Optional[str]    # the public function that dispatches to it (None: an op the core calls itself)
     inputs: Tuple[str, ...]    # positional tensors, in order
     options: Tuple[Option, ...]
     outputs: Tuple[str, ...]   # what it returns: one tensor, or a tuple of these
@@ -69,7 +69,9 @@ class OpSpec:
                 if o.feature is None or o.feature in features}
 
     def signature(self) -> str:
-        """The call as a backend receives it, e.g. ``logprobs(logits, labels, *, temperature, ...)``."""
+        """The call as a backend receives it without optional features, e.g.
+        ``logprobs(logits, labels, *, temperature, ignore_index, inplace_backward) -> logprobs``;
+        each feature a backend declares adds its option(s) as keywords."""
         opts = ", ".join(o.name for o in self.options if o.feature is None)
         outs = self.outputs[0] if len(self.outputs) == 1 else "(" + ", ".join(self.outputs) + ")"
         if self.tuple_when:
@@ -83,35 +85,51 @@ class OpSpec:
         return getattr(logprob_registry, self.function)
 
 
-_TEMPERATURE = Option("temperature", 1.0, "float > 0: the logits are divided by it")
+_TEMPERATURE = Option("temperature", 1.0, "float > 0: the (softcapped) logits are divided by it")
 _IGNORE_INDEX = Option("ignore_index", None,
                        "int or None: positions whose label equals it give 0 and a zero gradient")
 _INPLACE = Option("inplace_backward", False,
                   "bool: backward may write the logits' gradient over the logits' storage")
+# The sampler's processing, in its order: softcap, temperature, min_p, top_k, top_p, keep; then the
+# log-softmax over the kept tokens (a label outside them gives -inf and a zero gradient).
+_SAMPLER = (
+    Option("softcap", None, "float > 0 or None: z -> softcap * tanh(z / softcap), before the temperature",
+           feature="softcap"),
+    Option("top_k", None, "int >= 1 or None: keep the top_k largest logits (every logit equal to the "
+                          "k-th largest is kept)", feature="top_k"),
+    Option("top_p", None, "float in (0, 1) or None: keep the most probable tokens whose mass reaches "
+                          "top_p (computed after top_k; at least one token)", feature="top_p"),
+    Option("min_p", None, "float in (0, 1] or None: drop tokens less probable than min_p times the "
+                          "most probable one", feature="min_p"),
+    Option("keep", None, "bool (..., V) or int64 ids (..., K) (-1 for none), or None: only these tokens "
+                         "(the sampler's own mask)", feature="keep"),
+)
+_LABELS = ("labels (...) int32/int64 give (...); labels (..., K) give the K candidates' logprobs "
+           "(..., K) in one pass (feature 'candidates')")
 
 OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec(
         name="logprobs", function="logprobs_from_logits",
         inputs=("logits", "labels"),
-        options=(_TEMPERATURE, _IGNORE_INDEX, _INPLACE),
+        options=(_TEMPERATURE, _IGNORE_INDEX, _INPLACE) + _SAMPLER,
         outputs=("logprobs",),
-        doc="log_softmax(logits / temperature)[..., labels]: logits (..., V), labels (...) int32/int64; "
-            "returns float32 (float64 for float64 logits) of the labels' shape",
+        doc="log_softmax(processed logits)[..., labels]: logits (..., V); " + _LABELS
+            + "; float32 (float64 for float64 logits)",
         dtype_input="logits", grad_inputs=("logits",),
     ),
     OpSpec(
         name="entropy", function="entropy_from_logits",
         inputs=("logits",),
-        options=(_TEMPERATURE,),
+        options=(_TEMPERATURE,) + _SAMPLER,
         outputs=("entropy",),
-        doc="entropy of softmax(logits / temperature) over the last dim: logits (..., V); "
-            "returns float32 (float64 for float64 logits) of shape (...)",
+        doc="entropy of softmax(processed logits) over the last dim: logits (..., V); "
+            "float32 (float64 for float64 logits) of shape (...)",
         dtype_input="logits", grad_inputs=("logits",),
     ),
     OpSpec(
         name="logprobs_and_entropy", function="logprobs_and_entropy",
         inputs=("logits", "labels"),
-        options=(_TEMPERATURE, _IGNORE_INDEX, _INPLACE),
+        options=(_TEMPERATURE, _IGNORE_INDEX, _INPLACE) + _SAMPLER,
         outputs=("logprobs", "entropy"),
         doc="both of the above in one pass; the entropy of an ignored position is computed as usual",
         dtype_input="logits", grad_inputs=("logits",),
@@ -121,12 +139,24 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
         inputs=("hidden", "weight", "labels"),
         options=(Option("bias", None, "tensor (V,) or None, added to hidden @ weight.T"),
                  _TEMPERATURE, _IGNORE_INDEX,
-                 Option("return_entropy", False, "bool: also return the entropy")),
+                 Option("return_entropy", False, "bool: also return the entropy")) + _SAMPLER + (
+                 Option("logits_dtype", None, "torch.bfloat16, torch.float16 or None: round each logit "
+                        "to it before the softmax, as an engine whose lm_head runs in it (straight-"
+                        "through gradient); None keeps exact fp32 products", feature="logits_dtype"),),
         outputs=("logprobs", "entropy"),
         tuple_when="return_entropy",
         doc="logprobs of labels under hidden @ weight.T + bias without forming the (N, V) logits: "
             "hidden (..., H), weight (V, H), one dtype for hidden, weight and bias",
         dtype_input="hidden", grad_inputs=("hidden", "weight", "bias"),
+    ),
+    OpSpec(
+        name="topk_logprobs", function="topk_logprobs",
+        inputs=("logits",),
+        options=(Option("k", 1, "int >= 1, at most V: how many"), _TEMPERATURE) + _SAMPLER,
+        outputs=("values", "ids"),
+        doc="the k largest processed logprobs (float32, (..., k)) and their ids (int64), largest first, "
+            "ties by smaller id; -inf (and the smallest ids left) where fewer than k tokens are kept",
+        dtype_input="logits", grad_inputs=("logits",),
     ),
 )}
 
@@ -135,7 +165,12 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
 FEATURES: Mapping[str, str] = {
     "functorch": "its ops work inside torch.func transforms (grad, vmap, jacrev, ...): pure "
                  "differentiable torch ops, or autograd Functions with setup_context and vmap rules",
+    "candidates": "labels of shape (..., K): the logprobs of K candidate tokens per position in one pass",
+    **{o.feature: f"the {o.name} option: {o.doc}" for o in _SAMPLER},
+    "logits_dtype": "logprobs_from_hidden's logits_dtype option: logits rounded to bf16/fp16 before the softmax",
 }
+#: The features that truncate the distribution (a label outside the kept set gives -inf).
+TRUNCATION = frozenset({"top_k", "top_p", "min_p", "keep"})
 
 
 def get(op: str) -> OpSpec:
@@ -150,6 +185,8 @@ def describe() -> str:
     """Every op's call as a backend receives it, with its options: for docs and ``info``."""
     lines = []
     for spec in OPS.values():
+        if spec.function is None:
+            continue
         lines.append(spec.signature())
         lines.append(f"    {spec.doc}")
         for o in spec.options:

@@ -43,6 +43,7 @@ from .sections import coverage_of
 from .sections._common import MEMORY_LIMIT
 from .sections.hidden import HiddenSection
 from .sections.logits import IGNORE, LARGE_VOCAB, MEMORY_SHAPE, SHAPES, STRIDED, LogitsSection
+from .sections.semantics import SemanticsSection
 
 __all__ = ["BackendConformance", "not_declared", "IGNORE", "LARGE_VOCAB", "MEMORY_LIMIT", "MEMORY_SHAPE",
            "SHAPES", "STRIDED"]
@@ -74,7 +75,7 @@ def not_declared(backend: Backend, test: str, params: dict, cls: Optional[type] 
     return None
 
 
-class BackendConformance(LogitsSection, HiddenSection):
+class BackendConformance(LogitsSection, HiddenSection, SemanticsSection):
     """Base class of the conformance suite: set ``backend`` (and optionally ``device``).
 
     ``backend``: the registered name. None takes ``--logprob-backend`` from the command line.

@@ -8,7 +8,12 @@ numbers per row and recomputes the softmax chunk by chunk, out of place or over 
 (:mod:`._hidden`). Pure PyTorch: it runs wherever torch runs. How it works, its settings and its
 measured numbers: docs/backends/chunked.md.
 
-Modules: :mod:`._rows` (the row loops), :mod:`._hidden` (the fused linear op).
+The sampler's processing (softcap, top_k, top_p, min_p, keep), candidate labels, ``topk_logprobs``
+and the fused op's ``logits_dtype`` go through :mod:`._sampler`, a chunk of rows at a time; a call
+without them runs the code above, unchanged.
+
+Modules: :mod:`._rows` (the row loops), :mod:`._hidden` (the fused linear op), :mod:`._sampler`
+(the sampler's processing).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from logprob_registry import config
 from logprob_registry import reference as ref
 from logprob_registry.dtypes import FLOAT_DTYPES
 
-from . import _hidden
+from . import _hidden, _sampler
 from . import _rows as loops
 
 DEFAULT_WORKSPACE_BYTES = 8 << 20
@@ -133,16 +138,45 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, want_logpr
     return outs if len(outs) > 1 else outs[0]
 
 
-def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
+def _sampler_run(logits, labels, **options):
+    return _sampler.run(logits, labels, budget=workspace_bytes(),
+                        fixed_shape=logits.device.type not in ROW_WISE_DEVICES, **options)
+
+
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward, **sampler):
+    if _sampler.used(**sampler) or labels.dim() == logits.dim():
+        return _sampler_run(logits, labels, temperature=temperature, ignore_index=ignore_index,
+                            inplace_backward=inplace_backward, **sampler)
     return _run(logits, labels, temperature, ignore_index, inplace_backward, True, False)
 
 
-def entropy(logits, *, temperature):
+def entropy(logits, *, temperature, **sampler):
+    if _sampler.used(**sampler):
+        return _sampler_run(logits, None, temperature=temperature, want_logprobs=False, want_entropy=True,
+                            **sampler)
     return _run(logits, None, temperature, None, False, False, True)
 
 
-def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward):
+def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward, **sampler):
+    if _sampler.used(**sampler) or labels.dim() == logits.dim():
+        return _sampler_run(logits, labels, temperature=temperature, ignore_index=ignore_index,
+                            inplace_backward=inplace_backward, want_entropy=True, **sampler)
     return _run(logits, labels, temperature, ignore_index, inplace_backward, True, True)
+
+
+def topk_logprobs(logits, *, k, temperature, **sampler):
+    return _sampler_run(logits, None, temperature=temperature, want_logprobs=False, topk=k, **sampler)
+
+
+def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy,
+                         chunk_bytes=None, **sampler):
+    if _sampler.used(**sampler) or labels.dim() == hidden.dim():
+        return _sampler.logprobs_from_hidden(
+            hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
+            return_entropy=return_entropy, budget=workspace_bytes(), chunk_bytes=chunk_bytes, **sampler)
+    return _hidden.logprobs_from_hidden(hidden, weight, labels, bias=bias, temperature=temperature,
+                                        ignore_index=ignore_index, return_entropy=return_entropy,
+                                        chunk_bytes=chunk_bytes)
 
 
 @lr.hookimpl
@@ -153,7 +187,8 @@ def register_backends(register):
             "logprobs": logprobs,
             "entropy": entropy,
             "logprobs_and_entropy": logprobs_and_entropy,
-            "logprobs_from_hidden": _hidden.logprobs_from_hidden,
+            "logprobs_from_hidden": logprobs_from_hidden,
+            "topk_logprobs": topk_logprobs,
         },
         devices={"cpu", "cuda", "npu", "xpu", "mps", "hpu"},
         dtypes=set(FLOAT_DTYPES),
@@ -162,6 +197,7 @@ def register_backends(register):
         inplace_backward=True,
         batch_invariant=True,
         deterministic=True,
+        features={"candidates", "softcap", "top_k", "top_p", "min_p", "keep", "logits_dtype"},
         memory="two fp32 chunk buffers within the workspace budget (8 MiB by default) and a few "
                "floats per row; backward: the gradient, none with inplace_backward",
         description="rows in cache-sized fp32 chunks; no copy of the logits; backward recomputes softmax",

@@ -29,16 +29,16 @@ __all__ = ["INDUCTOR_OPTIONS", "KERNELS", "RECOMPILE_LIMIT", "TORCH_SPEC", "Comp
            "compile_counts", "entropy", "logprobs", "logprobs_and_entropy", "reset"]
 
 
-def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
-    return _ops.apply(logits, labels, temperature, ignore_index, True, False, inplace_backward)
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward, softcap=None):
+    return _ops.apply(logits, labels, temperature, ignore_index, True, False, inplace_backward, softcap)
 
 
-def entropy(logits, *, temperature):
-    return _ops.apply(logits, None, temperature, None, False, True, False)
+def entropy(logits, *, temperature, softcap=None):
+    return _ops.apply(logits, None, temperature, None, False, True, False, softcap)
 
 
-def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward):
-    return _ops.apply(logits, labels, temperature, ignore_index, True, True, inplace_backward)
+def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward, softcap=None):
+    return _ops.apply(logits, labels, temperature, ignore_index, True, True, inplace_backward, softcap)
 
 
 def reset() -> None:
@@ -110,6 +110,7 @@ def register_backends(register):
         inplace_backward=True,
         batch_invariant=True,
         deterministic=True,
+        features={"softcap"},
         description="torch.compile (inductor) of the row statistics and of the one-pass gradient; "
                     "no N x V temporary; compiles once per kind of call and process",
     ))

@@ -42,16 +42,16 @@ def _load():
     return _kernels
 
 
-def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
-    return _load().logprobs(logits, labels, temperature, ignore_index, inplace_backward)
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward, softcap=None):
+    return _load().logprobs(logits, labels, temperature, ignore_index, inplace_backward, softcap)
 
 
-def entropy(logits, *, temperature):
-    return _load().entropy(logits, temperature)
+def entropy(logits, *, temperature, softcap=None):
+    return _load().entropy(logits, temperature, softcap)
 
 
-def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward):
-    return _load().logprobs_and_entropy(logits, labels, temperature, ignore_index, inplace_backward)
+def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward, softcap=None):
+    return _load().logprobs_and_entropy(logits, labels, temperature, ignore_index, inplace_backward, softcap)
 
 
 def available(env, device_type: str) -> "str | None":
@@ -83,6 +83,7 @@ def make_backend(interpret: bool) -> lr.Backend:
         inplace_backward=True,
         batch_invariant=True,
         deterministic=True,
+        features={"softcap"},
         description=(
             "fused Triton kernels: one pass over the vocabulary with an online log-sum-exp, in the "
             "logits' dtype and strides, fp32 accumulation; in-place backward." + mode
