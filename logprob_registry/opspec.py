@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 _UNSET: Any = object()
+_NO_FEATURES: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,13 @@ class OpSpec:
     grad_inputs: Tuple[str, ...]  # inputs (or tensor options) whose requires_grad asks for a backward
     tuple_when: Optional[str] = None  # a boolean option that makes it return all of ``outputs``
     option_index: Dict[str, Option] = field(init=False, repr=False, compare=False)
+    _featured: Tuple[Option, ...] = field(init=False, repr=False, compare=False)
+    _names: Dict[frozenset, Tuple[str, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "option_index", {o.name: o for o in self.options})
+        object.__setattr__(self, "_featured", tuple(o for o in self.options if o.feature is not None))
+        object.__setattr__(self, "_names", {})  # backend features -> the option names it receives
 
     def output_names(self, options: Optional[Mapping[str, Any]] = None) -> Tuple[str, ...]:
         """The outputs a call returns (``logprobs_from_hidden`` returns the entropy only when
@@ -59,14 +64,18 @@ class OpSpec:
         return self.outputs
 
     def features_used(self, options: Mapping[str, Any]) -> frozenset:
-        """The backend features a call with these option values needs."""
-        return frozenset(o.feature for o in self.options
-                         if o.feature is not None and o.name in options and o.used(options[o.name]))
+        """The backend features a call with these option values needs (validation has already
+        made every option that changes nothing equal to its default)."""
+        used = [o.feature for o in self._featured if o.used(options.get(o.name, o.default))]
+        return frozenset(used) if used else _NO_FEATURES
 
     def backend_options(self, features: frozenset, options: Mapping[str, Any]) -> Dict[str, Any]:
         """The keyword options a backend declaring ``features`` receives."""
-        return {o.name: options.get(o.name, o.default) for o in self.options
-                if o.feature is None or o.feature in features}
+        names = self._names.get(features)
+        if names is None:
+            names = tuple(o.name for o in self.options if o.feature is None or o.feature in features)
+            self._names[features] = names
+        return {name: options.get(name, self.option_index[name].default) for name in names}
 
     def signature(self) -> str:
         """The call as a backend receives it without optional features, e.g.

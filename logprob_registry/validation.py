@@ -125,11 +125,16 @@ def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: Optional[i
     if labels.numel() == 0 or not values_visible(labels):
         return
     flat = labels.reshape(-1)
+    low, high = torch.aminmax(flat)
+    if int(low) >= 0 and int(high) < vocab:
+        return
+    if ignore_index is not None:  # the out-of-range values may all be the ignored one
+        low, high = torch.aminmax(flat.masked_fill(flat == ignore_index, 0))
+        if int(low) >= 0 and int(high) < vocab:
+            return
     bad = (flat < 0) | (flat >= vocab)
     if ignore_index is not None:
         bad &= flat != ignore_index
-    if not bool(bad.any()):
-        return
     first = int(bad.nonzero()[0, 0])
     value = int(flat[first])
     position = tuple(int(i) for i in _unravel(first, labels.shape))
@@ -284,6 +289,8 @@ def check_logits_dtype(dtype: object) -> Optional[torch.dtype]:
 def sampler_options(softcap, top_k, top_p, min_p, keep, logits_shape, device) -> dict:
     """The validated sampler keywords; the ones that keep every token become None (so a call that
     truncates nothing needs no backend that truncates)."""
+    if softcap is None and top_k is None and top_p is None and min_p is None and keep is None:
+        return dict(softcap=None, top_k=None, top_p=None, min_p=None, keep=None)
     return dict(
         softcap=check_softcap(softcap),
         top_k=check_top_k(top_k, logits_shape[-1]),

@@ -22,12 +22,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", default=",".join(map(str, VOCABS)),
                         help="vocabulary sizes, one per bucket that matters (default %(default)s)")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)),
-                        help="row counts measured per key; the ranking uses their geometric mean (default %(default)s)")
+                        help="row counts measured per key; the ranking uses their geometric mean "
+                             "(default %(default)s)")
     parser.add_argument("--backend", action="append", default=[], metavar="NAME", help="only these backends")
     parser.add_argument("--repeat", type=int, default=5, help="timed calls per measurement (default 5)")
-    parser.add_argument("--quick", action="store_true", help="fewer calls and row counts: a rough ranking in a minute or two")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer calls and row counts: a rough ranking in a minute or two")
     parser.add_argument("--output", default=None, metavar="PATH",
-                        help="ranking file (default: LOGPROB_REGISTRY_TUNING, else ~/.cache/logprob_registry/tuning.json)")
+                        help="ranking file (default: LOGPROB_REGISTRY_TUNING, else "
+                             "~/.cache/logprob_registry/tuning.json)")
 
 
 def _ints(text: str, what: str) -> list:

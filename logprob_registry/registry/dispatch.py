@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import os
 import sys
 import threading
 import warnings
@@ -34,12 +33,12 @@ from .. import config
 from ..backend import Backend
 from ..environment import Environment
 from ..opspec import OPS
+from ..tuning.cache import Tuning
 from ..validation import inside_functorch_transform
 from .errors import BackendFallbackWarning, NoEligibleBackendError
 from .key import Key
 from .plugins import PluginSet, error_line
 from .ranking import Verdict, automatic, rank, why_not
-from ..tuning.cache import Tuning
 
 ENV_VAR = config.BACKEND.name
 UNTESTED = config.declare(config.Variable(
@@ -125,7 +124,10 @@ class Dispatcher:
         name = _forced.get()
         if name is not None:
             return name, "use_backend()"
-        name = os.environ.get(ENV_VAR, "").strip()
+        text = config.raw(ENV_VAR)
+        if not text:
+            return None, ""
+        name = (text.decode() if isinstance(text, bytes) else text).strip()
         if name:
             return name, f"{ENV_VAR}={name}"
         return None, ""

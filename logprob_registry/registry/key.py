@@ -54,4 +54,4 @@ class Key(NamedTuple):
         grad = ", with gradients" if self.requires_grad else ""
         used = f", using {', '.join(sorted(self.features))}" if self.features else ""
         size = f", {describe_bucket(self.vocab)}" if self.vocab else ""
-        return f"{self.op} on {self.device} {dtype_name(self.dtype)} tensors{grad}{used}{size}"
+        return f"{self.op} on {self.device} {dtype_name(self.dtype)} tensors{grad}{size}{used}"

@@ -94,9 +94,11 @@ class Ranking:
     def from_json(cls, doc: Mapping) -> "Ranking":
         if doc.get("format") != FORMAT:
             raise ValueError(f"format {doc.get('format')!r}, expected {FORMAT}")
-        entries = {k: Entry(dict(v["times"]), dict(v.get("rows", {})), dict(v.get("failed", {})), int(v.get("vocab", 0)))
+        entries = {k: Entry(dict(v["times"]), dict(v.get("rows", {})), dict(v.get("failed", {})),
+                            int(v.get("vocab", 0)))
                    for k, v in doc["entries"].items()}
-        return cls(str(doc["torch"]), dict(doc["machines"]), dict(doc["versions"]), entries, str(doc.get("created", "")))
+        return cls(str(doc["torch"]), dict(doc["machines"]), dict(doc["versions"]), entries,
+                   str(doc.get("created", "")))
 
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -185,7 +187,8 @@ class Tuning:
         now = machine(device, tuple(info.names) if info else ())
         for field_ in ("cpu", "cpu_count", "platform", "device_names"):
             if measured.get(field_) != now.get(field_):
-                return f"it was measured on another machine ({field_}: {measured.get(field_)!r}, now {now.get(field_)!r})"
+                return (f"it was measured on another machine ({field_}: {measured.get(field_)!r}, "
+                        f"now {now.get(field_)!r})")
         for name, version in ranking.versions.items():
             if name in versions and versions[name] != version:
                 return f"backend {name} was {version} when measured, now {versions[name]}"
