@@ -61,7 +61,7 @@ def test_automatic_choice_falls_back_with_one_warning(flaky):
         warnings.simplefilter("error", lr.BackendFallbackWarning)
         lr.logprobs_from_logits(logits, labels)
     assert calls == ["test-flaky"]
-    report = lr.explain("logprobs", device="cpu")
+    report = lr.explain("logprobs", device="cpu", shape=logits.shape)  # the kind of call that failed
     assert report["test-flaky"].status == "broken"
     assert "failed at run time: RuntimeError: kernel exploded" in str(report)
     assert report.chosen == fallback
@@ -71,7 +71,7 @@ def test_automatic_choice_falls_back_with_one_warning(flaky):
     assert calls == ["test-flaky", "test-flaky"]
     # reset() forgets the marks: the backend is tried again.
     flaky.reset()
-    assert lr.explain("logprobs", device="cpu")["test-flaky"].status == "chosen"
+    assert lr.explain("logprobs", device="cpu", shape=logits.shape)["test-flaky"].status == "chosen"
 
 
 def test_the_last_eligible_backend_is_never_marked_broken():
