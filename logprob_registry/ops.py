@@ -28,6 +28,23 @@ def _dispatch(op: str, backend: Optional[str], inputs: Tuple[Any, ...], options:
     return get_registry().call(Key(op, on.device.type, on.dtype, grad, features), backend, inputs, options)
 
 
+def _sharded(op: str, tensors: Tuple[Any, ...], options: Dict[str, Any], process_group: Any, vocab_start: Any,
+             backend: Optional[str]) -> Any:
+    """A call with ``process_group=``: the vocabulary-parallel path (:mod:`.distributed`), which
+    validates on every rank and raises the same error on every rank."""
+    if process_group is None:
+        raise ValueError(f"vocab_start={vocab_start!r} was given without process_group; vocab_start places this "
+                         "rank's vocabulary shard within a process group: pass process_group= too, or neither")
+    if op == "logprobs_from_hidden":
+        from .distributed import hidden
+
+        return hidden.run(*tensors, options, process_group, vocab_start, backend)
+    from .distributed import logits
+
+    return logits.run(op, tensors[0], tensors[1] if len(tensors) > 1 else None, options, process_group,
+                      vocab_start, backend)
+
+
 def _logits_and_labels(logits, labels, temperature, ignore_index):
     config.check()
     logits = v.check_logits(logits)
@@ -45,6 +62,8 @@ def logprobs_from_logits(
     temperature: float = 1.0,
     ignore_index: Optional[int] = None,
     inplace_backward: bool = False,
+    process_group: Any = None,
+    vocab_start: Optional[int] = None,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
     """``log_softmax(logits / temperature)[..., labels]``, accumulated in at least fp32.
@@ -54,7 +73,15 @@ def logprobs_from_logits(
     a zero gradient. With ``inplace_backward=True`` the backward pass may overwrite the logits'
     storage with their gradient (use it only when the logits are not needed afterwards).
     ``backend`` forces a backend by name.
+
+    With ``process_group`` (a ``torch.distributed`` group) ``logits`` is this rank's vocabulary shard
+    ``(..., V_local)`` whose first column has the global id ``vocab_start`` (default ``rank *
+    V_local``, then every shard must have the same width), and ``labels`` are global ids, the same on
+    every rank; every rank gets the complete result (docs/distributed.md).
     """
+    if process_group is not None or vocab_start is not None:
+        options = dict(temperature=temperature, ignore_index=ignore_index, inplace_backward=inplace_backward)
+        return _sharded("logprobs", (logits, labels), options, process_group, vocab_start, backend)
     logits, labels, temperature, ignore_index = _logits_and_labels(logits, labels, temperature, ignore_index)
     options = dict(temperature=temperature, ignore_index=ignore_index,
                    inplace_backward=v.check_flag(inplace_backward, "inplace_backward"))
@@ -62,9 +89,17 @@ def logprobs_from_logits(
 
 
 def entropy_from_logits(
-    logits: torch.Tensor, *, temperature: float = 1.0, backend: Optional[str] = None
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    process_group: Any = None,
+    vocab_start: Optional[int] = None,
+    backend: Optional[str] = None,
 ) -> torch.Tensor:
-    """Entropy of ``softmax(logits / temperature)`` over the last dimension, in at least fp32."""
+    """Entropy of ``softmax(logits / temperature)`` over the last dimension, in at least fp32.
+    ``process_group``, ``vocab_start``: a vocabulary shard, as in :func:`logprobs_from_logits`."""
+    if process_group is not None or vocab_start is not None:
+        return _sharded("entropy", (logits,), dict(temperature=temperature), process_group, vocab_start, backend)
     config.check()
     logits = v.check_logits(logits)
     options = dict(temperature=v.check_temperature(temperature))
@@ -78,12 +113,18 @@ def logprobs_and_entropy(
     temperature: float = 1.0,
     ignore_index: Optional[int] = None,
     inplace_backward: bool = False,
+    process_group: Any = None,
+    vocab_start: Optional[int] = None,
     backend: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(logprobs, entropy)`` in one call; see :func:`logprobs_from_logits`.
+    """``(logprobs, entropy)`` in one call; see :func:`logprobs_from_logits` (``process_group``
+    and ``vocab_start`` included).
 
     The entropy of an ignored position is computed as usual (it does not depend on the label).
     """
+    if process_group is not None or vocab_start is not None:
+        options = dict(temperature=temperature, ignore_index=ignore_index, inplace_backward=inplace_backward)
+        return _sharded("logprobs_and_entropy", (logits, labels), options, process_group, vocab_start, backend)
     logits, labels, temperature, ignore_index = _logits_and_labels(logits, labels, temperature, ignore_index)
     options = dict(temperature=temperature, ignore_index=ignore_index,
                    inplace_backward=v.check_flag(inplace_backward, "inplace_backward"))
@@ -99,6 +140,8 @@ def logprobs_from_hidden(
     temperature: float = 1.0,
     ignore_index: Optional[int] = None,
     return_entropy: bool = False,
+    process_group: Any = None,
+    vocab_start: Optional[int] = None,
     backend: Optional[str] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Log-probabilities of ``labels`` under ``hidden @ weight.T + bias``, without requiring the
@@ -106,7 +149,15 @@ def logprobs_from_hidden(
 
     ``hidden`` is ``(..., H)``, ``weight`` is ``(V, H)`` (the lm_head), ``bias`` is ``(V,)``. Hidden,
     weight and bias must share one dtype. Returns ``logprobs`` or ``(logprobs, entropy)``.
+
+    With ``process_group``, ``weight`` (and ``bias``) is this rank's vocabulary shard ``(V_local, H)``
+    placed at ``vocab_start`` (see :func:`logprobs_from_logits`); every rank gets the complete result
+    and, in backward, the complete hidden gradient (every rank must run the backward).
     """
+    if process_group is not None or vocab_start is not None:
+        options = dict(bias=bias, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy)
+        return _sharded("logprobs_from_hidden", (hidden, weight, labels), options, process_group, vocab_start,
+                        backend)
     config.check()
     hidden, weight, bias = v.check_hidden(hidden, weight, bias)
     labels = v.check_labels(labels, hidden, "hidden")

@@ -177,3 +177,20 @@ def check_hidden(hidden: object, weight: object, bias: object):
 
 def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def check_vocab_start(vocab_start: object) -> Optional[int]:
+    """``vocab_start``: None (then ``rank * V_local``) or the global id of the shard's first column."""
+    if vocab_start is None:
+        return None
+    if isinstance(vocab_start, bool):
+        raise TypeError("vocab_start must be an int (the global id of this shard's first column) or None, got a bool")
+    try:
+        value = operator.index(vocab_start)
+    except TypeError:
+        raise TypeError(f"vocab_start must be an int (the global id of this shard's first column) or None, "
+                        f"got {type(vocab_start).__name__}") from None
+    if value < 0:
+        raise ValueError(f"vocab_start={value} is negative; give the global id of this shard's first column "
+                         "(0 on the rank holding the start of the vocabulary)")
+    return value

@@ -17,7 +17,7 @@ from logprob_registry.opspec import OPS
 from logprob_registry.registry import Key, get_registry
 
 #: Ops over logits, and those of them that take labels (read from the op table).
-LOGITS_OPS = tuple(name for name, spec in OPS.items() if spec.dtype_input == "logits")
+LOGITS_OPS = tuple(name for name, spec in OPS.items() if spec.dtype_input == "logits" and spec.function is not None)
 LABEL_OPS = tuple(name for name in LOGITS_OPS if "labels" in OPS[name].inputs)
 DTYPES = {
     "float32": torch.float32,

@@ -34,22 +34,55 @@ def interpreter_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes", "y")
 
 
-def _kernels():
+def _load():
+    """The kernel module, imported at the first op (a function named ``_kernels`` would shadow the
+    submodule of that name: ``from . import _kernels`` would return the function)."""
     from . import _kernels
 
     return _kernels
 
 
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
-    return _kernels().logprobs(logits, labels, temperature, ignore_index, inplace_backward)
+    return _load().logprobs(logits, labels, temperature, ignore_index, inplace_backward)
 
 
 def entropy(logits, *, temperature):
-    return _kernels().entropy(logits, temperature)
+    return _load().entropy(logits, temperature)
 
 
 def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward):
-    return _kernels().logprobs_and_entropy(logits, labels, temperature, ignore_index, inplace_backward)
+    return _load().logprobs_and_entropy(logits, labels, temperature, ignore_index, inplace_backward)
+
+
+def _shard_ops():
+    """The vocabulary-parallel kernels' module, imported at the first such op."""
+    from . import _shards
+
+    return _shards
+
+
+def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy):
+    return _shard_ops().shard_stats(logits, labels, vocab_start=vocab_start, tile=tile, temperature=temperature,
+                                    ignore_index=ignore_index, with_entropy=with_entropy)
+
+
+def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature,
+               inplace_backward):
+    return _shard_ops().shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy,
+                                   vocab_start=vocab_start, temperature=temperature, inplace_backward=inplace_backward)
+
+
+def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy):
+    return _shard_ops().hidden_shard_stats(hidden, weight, labels, bias=bias, vocab_start=vocab_start, tile=tile,
+                                           temperature=temperature, ignore_index=ignore_index,
+                                           with_entropy=with_entropy)
+
+
+def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start,
+                      tile, temperature, needs_grad):
+    return _shard_ops().hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy,
+                                          bias=bias, vocab_start=vocab_start, tile=tile, temperature=temperature,
+                                          needs_grad=needs_grad)
 
 
 def available(env, device_type: str) -> "str | None":
@@ -70,6 +103,10 @@ def make_backend(interpret: bool) -> lr.Backend:
             "logprobs": logprobs,
             "entropy": entropy,
             "logprobs_and_entropy": logprobs_and_entropy,
+            "shard_stats": shard_stats,
+            "shard_grad": shard_grad,
+            "hidden_shard_stats": hidden_shard_stats,
+            "hidden_shard_grad": hidden_shard_grad,
         },
         devices={"cuda", "cpu"} if interpret else {"cuda"},
         dtypes=set(FLOAT_DTYPES),
@@ -81,6 +118,7 @@ def make_backend(interpret: bool) -> lr.Backend:
         inplace_backward=True,
         batch_invariant=True,
         deterministic=True,
+        group_invariant=True,
         description=(
             "fused Triton kernels: one pass over the vocabulary with an online log-sum-exp, in the "
             "logits' dtype and strides, fp32 accumulation; in-place backward." + mode
