@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also register this plugin (one not installed through an entry point)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON ('-': to stdout, table to stderr)")
     parser.add_argument("--plot", metavar="FILE.png", help="write a bar chart of time and memory (needs matplotlib)")
+    parser.add_argument("--process-group", type=int, metavar="N", help="the process_group= path over N local gloo "
+                        "processes, beside gathering the logits to one rank (logprob_registry.benchmark.distributed)")
     parser.add_argument("--timeout", type=float, default=1800, metavar="SECONDS",
                         help="give up on a method after this long per measurement (default 1800)")
 
@@ -153,6 +155,10 @@ def run(args: argparse.Namespace) -> int:
     from ..benchmark.plugins import register_plugins, unregister_plugins
     from ..environment import get_environment
 
+    if args.process_group is not None:
+        from ..benchmark.distributed import run_cli
+
+        return run_cli(args)
     registered: List[str] = []
     try:
         todo = settings(args, get_environment().main_device)

@@ -1,10 +1,12 @@
 """The process group of a call: this rank's place in it, the device its collectives run on, and the
 two collectives the vocabulary-parallel path uses (an all-gather and a sum all-reduce).
 
-Collectives run on the group's device: the tensors' own device when the group's backend serves
-that device type (NCCL for CUDA tensors, HCCL for Ascend NPU tensors, gloo for CPU tensors), else
-the group's first device type (gloo: the CPU), with a copy there and back. Nothing here depends on
-the backend's name, so any torch.distributed backend works the same way.
+Collectives run on the group's device: the tensors' own device when the group has a backend of
+that device's own for it (NCCL for CUDA tensors, HCCL for Ascend NPU tensors, XCCL ...), else the
+CPU when the group serves it (gloo: CUDA tensors' statistics are copied to the CPU and back, a few
+numbers per row), else the group's first device type. Only "gloo" is singled out, as the CPU
+backend that also registers itself for CUDA; any other torch.distributed backend is taken as the
+native one of the device types it serves.
 """
 
 from __future__ import annotations
@@ -13,6 +15,19 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+
+
+_traffic = [0]  # bytes this process received through the collectives below (see traffic())
+
+
+def traffic(reset: bool = False) -> int:
+    """Bytes this process has received through the vocabulary-parallel collectives: every other
+    rank's part of an all-gather, and ``2 (W - 1) / W`` of an all-reduce's buffer (what a ring
+    all-reduce moves per rank). ``bench --process-group`` reads it; ``reset`` sets it back to 0."""
+    value = _traffic[0]
+    if reset:
+        _traffic[0] = 0
+    return value
 
 
 def _dist():
@@ -28,12 +43,17 @@ class Group:
     handle: Any           # the torch.distributed ProcessGroup
     rank: int             # this process's rank in it
     size: int
-    device_types: tuple   # the device types its backends serve, e.g. ("cpu",) for gloo
+    device_types: tuple   # the device types its backends serve, e.g. ("cuda", "cpu") for gloo
+    backends: tuple = ()  # (device type, backend name) pairs, e.g. (("cuda", "nccl"), ("cpu", "gloo"))
 
     def device_for(self, tensor: Optional[torch.Tensor]) -> torch.device:
         """Where this group's collectives run for data living on ``tensor``'s device."""
-        if tensor is not None and isinstance(tensor, torch.Tensor) and tensor.device.type in self.device_types:
-            return tensor.device
+        names = dict(self.backends)
+        if isinstance(tensor, torch.Tensor) and tensor.device.type in self.device_types:
+            if tensor.device.type == "cpu" or names.get(tensor.device.type, "") != "gloo":
+                return tensor.device
+        if "cpu" in self.device_types:
+            return torch.device("cpu")
         kind = self.device_types[0] if self.device_types else "cpu"
         if kind == "cpu":
             return torch.device("cpu")
@@ -50,11 +70,13 @@ class Group:
         out = torch.empty((self.size * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
         gather(out, local, group=self.handle)
+        _traffic[0] += (self.size - 1) * local.numel() * local.element_size()
         return out.view((self.size,) + tuple(local.shape))
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` (contiguous, on the group's device) over the group, in place."""
         _dist().all_reduce(tensor, group=self.handle)
+        _traffic[0] += 2 * (self.size - 1) * tensor.numel() * tensor.element_size() // self.size
         return tensor
 
 
@@ -85,13 +107,17 @@ def resolve(process_group: object) -> Group:
     if rank < 0:
         raise ValueError(_not_member(dist))
     size = dist.get_world_size(process_group)
+    name = str(dist.get_backend(process_group)).lower()
     try:
         types = tuple(d.type for d in process_group._device_types)
     except AttributeError:  # an older torch: the backend's name says it
-        name = str(dist.get_backend(process_group)).lower()
         types = tuple(kind for backend, kind in (("gloo", "cpu"), ("nccl", "cuda"), ("hccl", "npu"))
                       if backend in name) or ("cpu",)
-    return Group(process_group, rank, size, types)
+    if ":" in name:  # "cpu:gloo,cuda:nccl"
+        backends = tuple(tuple(pair.split(":", 1)) for pair in name.split(","))
+    else:
+        backends = tuple((kind, name) for kind in types)
+    return Group(process_group, rank, size, types, backends)
 
 
 def _not_member(dist) -> str:

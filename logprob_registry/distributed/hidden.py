@@ -36,14 +36,14 @@ class _Call:
     """Everything of one call except the tensors with gradients, and what backward needs."""
 
     def __init__(self, labels: Any, options: Dict[str, Any], group: Group, vocab_start: Any,
-                 backend: Optional[str]) -> None:
+                 backend: Optional[str], needs: tuple) -> None:
         self.labels, self.options, self.group = labels, options, group
         self.vocab_start, self.backend = vocab_start, backend
+        self.needs = needs  # gradients of (hidden, weight, bias), known before autograd's forward disables them
         self.forced: Optional[str] = None
         self.start = 0
         self.temperature = 1.0
         self.return_entropy = False
-        self.needs = (False, False, False)
 
     def forward(self, hidden: Any, weight: Any, bias: Any):
         """``(outputs, lse, entropy)``; outputs as the public function returns them."""
@@ -63,8 +63,6 @@ class _Call:
             self.return_entropy = v.check_flag(self.options.get("return_entropy", False), "return_entropy")
             start = v.check_vocab_start(self.vocab_start)
             self.start = local.start = start if start is not None else self.group.rank * local.width
-            grad_on = torch.is_grad_enabled()
-            self.needs = tuple(grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias))
             local.flags = _flags(self.return_entropy, start, ignore_index, bias is not None, self.needs)
             local.ignore_index = ignore_index if ignore_index is not None else 0
             acc = result_dtype(hidden.dtype)
@@ -188,9 +186,10 @@ def run(hidden: Any, weight: Any, labels: Any, options: Dict[str, Any], process_
     """The public ``logprobs_from_hidden`` over a weight shard; returns what it returns, on every rank."""
     bias = options.get("bias")
     opts = {k: val for k, val in options.items() if k != "bias"}
-    call = _Call(labels, opts, resolve(process_group), vocab_start, backend)
-    tensors = [t for t in (hidden, weight, bias) if isinstance(t, torch.Tensor)]
-    if v.needs_grad(*tensors):
+    grad_on = torch.is_grad_enabled()
+    needs = tuple(grad_on and isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight, bias))
+    call = _Call(labels, opts, resolve(process_group), vocab_start, backend, needs)
+    if any(needs):
         return _ShardedHidden.apply(hidden, weight, bias, call)
     outs = call.forward(hidden, weight, bias)[0]
     return outs if len(outs) > 1 else outs[0]

@@ -31,9 +31,10 @@ class _Call:
     for backward (as attributes, since autograd saves tensors only through ``ctx``)."""
 
     def __init__(self, op: str, labels: Any, options: Dict[str, Any], group: Group, vocab_start: Any,
-                 backend: Optional[str]) -> None:
+                 backend: Optional[str], grad: bool) -> None:
         self.op, self.labels, self.options, self.group = op, labels, options, group
         self.vocab_start, self.backend = vocab_start, backend
+        self.grad = grad  # known before autograd's forward, which runs with gradients disabled
         self.want_logprobs = op != "entropy"
         self.want_entropy = op != "logprobs"
         self.forced: Optional[str] = None   # the explicit backend in force at forward, for backward
@@ -65,7 +66,7 @@ class _Call:
             acc = result_dtype(logits.dtype)
             registry = get_registry()
             self.forced = registry.forced(self.backend)[0]
-            grad = v.needs_grad(logits)
+            grad = self.grad
             if grad:  # the backward's backend must exist before any collective: fail now, on every rank
                 registry.select(Key("shard_grad", logits.device.type, logits.dtype, False), self.forced)
             if local.rows:
@@ -166,8 +167,9 @@ def run(op: str, logits: Any, labels: Any, options: Dict[str, Any], process_grou
         backend: Optional[str]):
     """The public logits op ``op`` (``logprobs``, ``entropy``, ``logprobs_and_entropy``) over a
     vocabulary shard; returns what the public function returns, on every rank."""
-    call = _Call(op, labels, options, resolve(process_group), vocab_start, backend)
-    if isinstance(logits, torch.Tensor) and v.needs_grad(logits):
+    grad = isinstance(logits, torch.Tensor) and v.needs_grad(logits)
+    call = _Call(op, labels, options, resolve(process_group), vocab_start, backend, grad)
+    if grad:
         return _ShardedLogits.apply(logits, call)
     outs = call.forward(logits)[0]
     return outs if len(outs) > 1 else outs[0]

@@ -74,7 +74,8 @@ def _dz(z, labels, lse, entropy, grad_logprobs, grad_entropy, vocab_start, tempe
         g = grad_logprobs.reshape(-1, 1)
         grad -= p * g
         owned, column = label_columns(labels, vocab_start, z.shape[1], None)
-        grad.scatter_add_(1, column.unsqueeze(1), g * owned.unsqueeze(1))
+        rows = owned.nonzero().squeeze(1)  # only there: adding 0 elsewhere would turn -0.0 into +0.0
+        grad.index_put_((rows, column[rows]), g[rows, 0], accumulate=True)
     if grad_entropy is not None:
         grad -= grad_entropy.reshape(-1, 1) * torch.where(torch.isneginf(z), 0.0, p * (logp + entropy.reshape(-1, 1)))
     return grad / temperature

@@ -30,6 +30,7 @@ from logprob_registry.registry import get_registry
 from .harness import DTYPES, LABEL_OPS, LOGITS_OPS, Harness, default_device
 from .memory import MemoryMeasurementUnavailable, describe, peak_extra_bytes
 from .numerics import EPS32, assert_close, tolerances
+from .sections.distributed import DistributedSection
 
 SHAPES = {
     "1d": (1000,),
@@ -80,7 +81,7 @@ def _grad_dtype_eps(dtype: torch.dtype) -> float:
     return max(torch.finfo(dtype).eps, 4 * EPS32) if dtype != torch.float64 else 4 * EPS32
 
 
-class BackendConformance:
+class BackendConformance(DistributedSection):
     """Base class of the conformance suite: set ``backend`` (and optionally ``device``).
 
     ``backend``: the registered name. None takes ``--logprob-backend`` from the command line.

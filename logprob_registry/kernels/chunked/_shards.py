@@ -102,10 +102,18 @@ def _dz(z, lse, entropy, g_lp, g_ent, owned, column, temperature) -> torch.Tenso
     else:
         grad = p.mul_(-g_lp.unsqueeze(1))
     if g_lp is not None and owned is not None:
-        grad.scatter_add_(1, column.unsqueeze(1), torch.where(owned, g_lp, 0.0).unsqueeze(1))
+        _add_at_labels(grad, owned, column, g_lp)
     if temperature != 1.0:
         grad.div_(temperature)
     return grad
+
+
+def _add_at_labels(grad: torch.Tensor, owned: torch.Tensor, column: torch.Tensor, g: torch.Tensor) -> None:
+    """``grad[i, column[i]] += g[i]`` on the rows where ``owned``, and nothing elsewhere: adding a 0
+    would turn a -0.0 into +0.0, and the bits of a column would then depend on the shard it is in."""
+    rows = owned.nonzero().squeeze(1)
+    if rows.numel():
+        grad.index_put_((rows, column[rows]), g[rows], accumulate=True)
 
 
 def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature,
