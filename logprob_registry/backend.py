@@ -162,10 +162,13 @@ class Backend:
     def __repr__(self) -> str:
         dtypes = ",".join(sorted(dtype_name(d) for d in self.dtypes))
         promises = [c for c in CAPABILITIES if c != "autograd" and getattr(self, c)]
-        extra = f" promises={promises}" if promises else ""
+        extra = f" promises={','.join(promises)}" if promises else ""
         origin = f" from {self.origin}" if self.origin else ""
-        return (f"<Backend {self.name!r} priority={self.priority} ops={sorted(self.ops)} "
-                f"devices={sorted(self.devices)} dtypes={dtypes}{extra}{origin}>")
+        public = sorted(op for op in self.ops if OPS[op].function is not None)
+        shards = len(self.ops) - len(public)  # the vocabulary-parallel ops, counted: one short line
+        ops = "[" + ", ".join(public) + (f", +{shards} shard ops" if shards else "") + "]"
+        return (f"<Backend {self.name!r} priority={self.priority} ops={ops} "
+                f"devices={','.join(sorted(self.devices))} dtypes={dtypes}{extra}{origin}>")
 
 
 def _deprecated(name: str, old: str, new: str) -> None:

@@ -26,8 +26,7 @@ from logprob_registry import reference as ref
 from logprob_registry.distributed import header, launch, support, tiles
 from logprob_registry.distributed.group import traffic
 from logprob_registry.distributed.merge import merge
-from logprob_registry.opspec import OPS, SHARD_OPS, Option, OpSpec
-from logprob_registry.registry import Key
+from logprob_registry.opspec import OPS, SHARD_OPS, OpSpec, Option
 from logprob_registry.testing.numerics import tolerance
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,6 @@ from typing import Any, Optional
 
 import torch
 
-
 _traffic = [0]  # bytes this process received through the collectives below (see traffic())
 
 

@@ -1,12 +1,12 @@
 """``compiled``'s vocabulary-parallel ops (see :mod:`logprob_registry.distributed`).
 
-``shard_stats``: one compiled kernel (:func:`._kernels._tile_stats`) reduces a block of rows of one
-tile, read where it lies (a column slice of the logits, no copy; the shorter last tile is copied
-into a block padded with -inf). Every call has the same kind of input, ``(rows, TILE)`` with
-contiguous columns, and the kernel is compiled in inductor's deterministic and batch-invariant
-modes with split reductions off, so a row's reduction runs inside one program in an order set by
-the tile alone: a tile's statistics are bitwise the same whatever the rows, the shard or the
-group. The max and the label's logit are scaled by ``1 / temperature`` eagerly, with the same
+``shard_stats``: one compiled kernel (:func:`._kernels._tile_stats`) reduces each row of a
+contiguous ``(rows, TILE)`` block: a block of rows of the shard viewed as whole tiles where it is
+contiguous and a multiple of the tile wide, else copied, a block at a time, into a buffer padded
+with -inf. Every call has that one layout, and the kernel is compiled in inductor's deterministic
+and batch-invariant modes with split reductions off, so a row's reduction runs inside one program
+in an order set by the tile alone: a tile's statistics are bitwise the same whatever the rows, the
+shard or the group. The max and the label's logit are scaled by ``1 / temperature`` eagerly, with the same
 operation, so that a label at the tile's maximum is exactly it.
 
 ``shard_grad``: the backend's own one-pass gradient kernel with the merged statistics (``m = 0``,
@@ -30,13 +30,38 @@ from ._kernels import LN2, LOG2E, _run
 from ._ops import _grad, _grad_args, _overlapping, _plain, _planes, _rows, _take
 
 
+#: Bytes of the block of rows one kernel call reduces (a copy only where the rows cannot be viewed
+#: as whole tiles). Few, large calls: a call costs far more than a tile's arithmetic.
+BLOCK_BYTES = 16 << 20
+
+
 def _tile_block(block: torch.Tensor, k: float, with_entropy: bool):
-    """Per row of ``block`` (rows, TILE): raw max, sum of exp2, sum of exp2 * a, each (rows,)."""
+    """Per row of ``block`` (rows, TILE), contiguous: raw max, sum of exp2, sum of exp2 * a, each
+    (rows,). Every call has this one layout, so one compiled kernel, one order, serves them all."""
     name = "tile_stats_entropy" if with_entropy else "tile_stats"
-    if block.shape[0] == 1:  # a dim of size 1 would get a kernel of its own: two views of the row
-        outs = _run(name, block.expand(2, -1).detach(), k)
+    if block.shape[0] == 1:  # a dim of size 1 would get a kernel of its own: the row twice, contiguous
+        outs = _run(name, block.expand(2, -1).contiguous(), k)
         return tuple(o[:1].reshape(1) for o in outs)
     return tuple(o.reshape(-1) for o in _run(name, block.detach(), k))
+
+
+def _blocks(plane: torch.Tensor, tile: int):
+    """``(first row, (rows * n_tiles, tile) contiguous view or copy)`` over the rows of ``plane``."""
+    r, width = plane.shape
+    nt = n_tiles(width, tile)
+    direct = width == nt * tile and plane.is_contiguous()
+    step = max(1, BLOCK_BYTES // (nt * tile * plane.element_size()))
+    scratch = None
+    for r0 in range(0, r, step):
+        rows = plane[r0:r0 + step]
+        if direct:
+            yield r0, rows.detach().view(-1, tile)
+            continue
+        if scratch is None:
+            scratch = torch.full((min(step, r), nt * tile), float("-inf"), dtype=plane.dtype, device=plane.device)
+        part = scratch[:rows.shape[0]]
+        part[:, :width].copy_(rows)
+        yield r0, part.view(-1, tile)
 
 
 def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy):
@@ -50,19 +75,13 @@ def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index,
     u = torch.empty(n, nt, dtype=acc, device=dev) if with_entropy else None
     first = 0
     for _, plane in _planes(_rows(logits)):
-        r = plane.shape[0]
-        for j in range(nt):
-            c0, c1 = j * tile, min(width, (j + 1) * tile)
-            block = plane[:, c0:c1]
-            if c1 - c0 < tile:
-                padded = torch.full((r, tile), float("-inf"), dtype=logits.dtype, device=dev)
-                padded[:, :c1 - c0] = block
-                block = padded
+        for r0, block in _blocks(plane, tile):
             outs = _tile_block(block, inv_t * LOG2E, with_entropy)
-            m[first:first + r, j], s[first:first + r, j] = outs[0], outs[1]
+            rows = slice(first + r0, first + r0 + block.shape[0] // nt)
+            m[rows], s[rows] = outs[0].view(-1, nt), outs[1].view(-1, nt)
             if u is not None:
-                u[first:first + r, j] = outs[2]
-        first += r
+                u[rows] = outs[2].view(-1, nt)
+        first += plane.shape[0]
     m.mul_(inv_t)  # max(x) / T is max(x / T): the same operation as the label's logit below
     picked = None
     if labels is not None:

@@ -20,7 +20,6 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ... import reference as ref
-from ...dtypes import result_dtype
 from ..numerics import EPS32, tolerance, tolerances
 
 WORLD = 4
