@@ -455,3 +455,9 @@ for x, acc, flags in (("bf16", "fp32", (True, True, True)), ("fp32", "fp32", (Fa
         count += 1
 print(f"compiled {count} tile kernels")
 """
+
+
+def test_calls_inside_torch_func_transforms_are_refused(world):
+    x, y = _logits((2, 300)), torch.tensor([1, 2])
+    with pytest.raises(NotImplementedError, match="not supported inside torch.func transforms"):
+        torch.func.grad(lambda t: lr.logprobs_from_logits(t, y, process_group=world, backend="chunked").sum())(x)

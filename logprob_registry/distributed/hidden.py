@@ -24,7 +24,7 @@ from ..dtypes import result_dtype
 from ..registry import Key, get_registry
 from . import core, header
 from .group import Group, resolve
-from .support import check_supported
+from .support import check_context, check_supported
 from .tiles import TILE
 
 
@@ -52,6 +52,7 @@ class _Call:
         ignore_index = None
         try:
             config.check()
+            check_context()
             check_supported("logprobs_from_hidden", dict(self.options, bias=bias))
             hidden, weight, bias = v.check_hidden(hidden, weight, bias)
             lead = tuple(hidden.shape[:-1])
@@ -189,7 +190,7 @@ def run(hidden: Any, weight: Any, labels: Any, options: Dict[str, Any], process_
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight, bias))
     call = _Call(labels, opts, resolve(process_group), vocab_start, backend, needs)
-    if any(needs):
+    if any(needs) and not v.inside_functorch_transform():  # inside one, forward raises on every rank
         return _ShardedHidden.apply(hidden, weight, bias, call)
     outs = call.forward(hidden, weight, bias)[0]
     return outs if len(outs) > 1 else outs[0]

@@ -22,7 +22,7 @@ from ..dtypes import result_dtype
 from ..registry import Key, get_registry
 from . import core, header
 from .group import Group, resolve
-from .support import check_supported
+from .support import check_context, check_supported
 from .tiles import TILE
 
 
@@ -50,6 +50,7 @@ class _Call:
         ignore_index = None
         try:
             config.check()
+            check_context()
             check_supported(self.op, self.options)
             logits = v.check_logits(logits)
             lead = tuple(logits.shape[:-1])
@@ -169,7 +170,7 @@ def run(op: str, logits: Any, labels: Any, options: Dict[str, Any], process_grou
     vocabulary shard; returns what the public function returns, on every rank."""
     grad = isinstance(logits, torch.Tensor) and v.needs_grad(logits)
     call = _Call(op, labels, options, resolve(process_group), vocab_start, backend, grad)
-    if grad:
+    if grad and not v.inside_functorch_transform():  # inside one, forward raises on every rank (support.py)
         return _ShardedLogits.apply(logits, call)
     outs = call.forward(logits)[0]
     return outs if len(outs) > 1 else outs[0]

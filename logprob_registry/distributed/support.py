@@ -38,6 +38,16 @@ def check_supported(op: str, options: Mapping[str, Any]) -> None:
             "or leave the option at its default")
 
 
+def check_context() -> None:
+    """Raise ``NotImplementedError`` where a process_group= call cannot run: inside a ``torch.func``
+    transform (``vmap``/``grad`` would batch or trace the collectives)."""
+    from ..validation import inside_functorch_transform
+
+    if inside_functorch_transform():
+        raise NotImplementedError("process_group= calls are not supported inside torch.func transforms (vmap, grad, "
+                                  "...); call the op outside the transform")
+
+
 def unsupported_reason(op: str, options: Mapping[str, Any]) -> str:
     """:func:`check_supported` as a sentence ("" when the call is supported), for ``explain``-like tools."""
     try:

@@ -29,7 +29,6 @@ from ..chunked import _shards as chunked_shards
 from ._kernels import LN2, LOG2E, _run
 from ._ops import _grad, _grad_args, _overlapping, _plain, _planes, _rows, _take
 
-
 #: Bytes of the block of rows one kernel call reduces (a copy only where the rows cannot be viewed
 #: as whole tiles). Few, large calls: a call costs far more than a tile's arithmetic.
 BLOCK_BYTES = 16 << 20
