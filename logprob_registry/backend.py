@@ -28,6 +28,8 @@ CAPABILITIES: Mapping[str, str] = {
     "batch_invariant": "a row's result is bitwise independent of the other rows in the call",
     "deterministic": "the same inputs give bitwise the same results",
     "copies_logits": "it materialises a copy of the logits (the suite's no-copy checks do not apply)",
+    "group_invariant": "its shard_stats (and hidden_shard_stats) give each tile's statistics bitwise from that "
+                       "tile's own columns, so process_group= results do not depend on the group size",
 }
 
 Availability = Callable[["Environment", str], Optional[str]]
@@ -77,6 +79,7 @@ class Backend:
     batch_invariant: bool = False
     deterministic: bool = True
     copies_logits: bool = False
+    group_invariant: bool = False
     memory: str = ""
     description: str = ""
     triton: str = ""  # deprecated

@@ -32,6 +32,23 @@ def _dispatch(op: str, backend: Optional[str], inputs: Tuple[Any, ...], options:
     return get_registry().call(Key(op, on.device.type, on.dtype, grad, features, vocab), backend, inputs, options)
 
 
+def _sharded(op: str, tensors: Tuple[Any, ...], options: Dict[str, Any], process_group: Any, vocab_start: Any,
+             backend: Optional[str]) -> Any:
+    """A call with ``process_group=``: the vocabulary-parallel path (:mod:`.distributed`), which
+    validates on every rank and raises the same error on every rank."""
+    if process_group is None:
+        raise ValueError(f"vocab_start={vocab_start!r} was given without process_group; vocab_start places this "
+                         "rank's vocabulary shard within a process group: pass process_group= too, or neither")
+    if op == "logprobs_from_hidden":
+        from .distributed import hidden
+
+        return hidden.run(*tensors, options, process_group, vocab_start, backend)
+    from .distributed import logits
+
+    return logits.run(op, tensors[0], tensors[1] if len(tensors) > 1 else None, options, process_group,
+                      vocab_start, backend)
+
+
 def _logits_options(logits, labels, temperature, ignore_index, softcap, top_k, top_p, min_p, keep):
     """Validated (logits, labels, options) of a logits op; ``labels`` may be None (entropy)."""
     config.check()
@@ -57,6 +74,8 @@ def logprobs_from_logits(
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
     keep: Optional[torch.Tensor] = None,
+    process_group: Any = None,
+    vocab_start: Optional[int] = None,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
     """``log_softmax(processed logits)[..., labels]``, accumulated in at least fp32.
@@ -69,7 +88,16 @@ def logprobs_from_logits(
     renormalised over the kept tokens; a label outside them gives ``-inf`` and a zero gradient.
     With ``inplace_backward=True`` the backward pass may overwrite the logits' storage with their
     gradient (use it only when the logits are not needed afterwards). ``backend`` forces a backend.
+
+    With ``process_group`` (a ``torch.distributed`` group) ``logits`` is this rank's vocabulary shard
+    ``(..., V_local)`` whose first column has the global id ``vocab_start`` (default ``rank *
+    V_local``, then every shard must have the same width), and ``labels`` are global ids, the same on
+    every rank; every rank gets the complete result (docs/distributed.md).
     """
+    if process_group is not None or vocab_start is not None:
+        options = dict(temperature=temperature, ignore_index=ignore_index, inplace_backward=inplace_backward,
+                       softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep)
+        return _sharded("logprobs", (logits, labels), options, process_group, vocab_start, backend)
     logits, labels, options = _logits_options(logits, labels, temperature, ignore_index,
                                               softcap, top_k, top_p, min_p, keep)
     options["inplace_backward"] = v.check_flag(inplace_backward, "inplace_backward")
@@ -86,10 +114,16 @@ def entropy_from_logits(
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
     keep: Optional[torch.Tensor] = None,
+    process_group: Any = None,
+    vocab_start: Optional[int] = None,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
     """Entropy of the processed distribution (see :func:`logprobs_from_logits`) over the last
-    dimension, in at least fp32."""
+    dimension, in at least fp32. ``process_group``, ``vocab_start``: a vocabulary shard, as in
+    :func:`logprobs_from_logits`."""
+    if process_group is not None or vocab_start is not None:
+        options = dict(temperature=temperature, softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep)
+        return _sharded("entropy", (logits,), options, process_group, vocab_start, backend)
     logits, _, options = _logits_options(logits, None, temperature, None, softcap, top_k, top_p, min_p, keep)
     return _dispatch("entropy", backend, (logits,), options, logits, v.needs_grad(logits))
 
@@ -106,10 +140,17 @@ def logprobs_and_entropy(
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
     keep: Optional[torch.Tensor] = None,
+    process_group: Any = None,
+    vocab_start: Optional[int] = None,
     backend: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs, entropy)`` in one call, both of the same processed distribution; see
-    :func:`logprobs_from_logits`. The entropy of an ignored position is computed as usual."""
+    :func:`logprobs_from_logits` (``process_group`` and ``vocab_start`` included). The entropy of
+    an ignored position is computed as usual."""
+    if process_group is not None or vocab_start is not None:
+        options = dict(temperature=temperature, ignore_index=ignore_index, inplace_backward=inplace_backward,
+                       softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep)
+        return _sharded("logprobs_and_entropy", (logits, labels), options, process_group, vocab_start, backend)
     logits, labels, options = _logits_options(logits, labels, temperature, ignore_index,
                                               softcap, top_k, top_p, min_p, keep)
     options["inplace_backward"] = v.check_flag(inplace_backward, "inplace_backward")
@@ -132,6 +173,8 @@ def logprobs_from_hidden(
     min_p: Optional[float] = None,
     keep: Optional[torch.Tensor] = None,
     logits_dtype: Optional[torch.dtype] = None,
+    process_group: Any = None,
+    vocab_start: Optional[int] = None,
     backend: Optional[str] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Log-probabilities of ``labels`` under ``hidden @ weight.T + bias``, without requiring the
@@ -142,7 +185,16 @@ def logprobs_from_hidden(
     ``logits_dtype`` (torch.bfloat16 or torch.float16) rounds each to that dtype first, as an
     inference engine whose lm_head runs in it. The sampler keywords work as in
     :func:`logprobs_from_logits`. Returns ``logprobs`` or ``(logprobs, entropy)``.
+
+    With ``process_group``, ``weight`` (and ``bias``) is this rank's vocabulary shard ``(V_local, H)``
+    placed at ``vocab_start`` (see :func:`logprobs_from_logits`); every rank gets the complete result
+    and, in backward, the complete hidden gradient (every rank must run the backward).
     """
+    if process_group is not None or vocab_start is not None:
+        options = dict(bias=bias, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy,
+                       softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep, logits_dtype=logits_dtype)
+        return _sharded("logprobs_from_hidden", (hidden, weight, labels), options, process_group, vocab_start,
+                        backend)
     config.check()
     hidden, weight, bias = v.check_hidden(hidden, weight, bias)
     labels = v.check_labels(labels, hidden, "hidden", candidates=True)
@@ -167,12 +219,19 @@ def topk_logprobs(
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
     keep: Optional[torch.Tensor] = None,
+    process_group: Any = None,
+    vocab_start: Optional[int] = None,
     backend: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest processed log-probabilities of each position and their token ids:
     ``(values float32 (..., k), ids int64 (..., k))``, largest first, ties by smaller id. Where the
     sampler keywords keep fewer than ``k`` tokens, the rest are ``-inf``. For distillation and
-    KL-to-teacher losses; differentiable through ``values``."""
+    KL-to-teacher losses; differentiable through ``values``. ``process_group`` is not supported yet
+    (an error says so, on every rank, before any collective)."""
+    if process_group is not None or vocab_start is not None:
+        raise NotImplementedError("topk_logprobs(..., process_group=...) is not supported yet: gather the "
+                                  "logits (or each rank's own topk_logprobs of its shard) to one rank, or call "
+                                  "without process_group")
     logits, _, options = _logits_options(logits, None, temperature, None, softcap, top_k, top_p, min_p, keep)
     options["k"] = v.check_k(k, logits.shape[-1])
     return _dispatch("topk_logprobs", backend, (logits,), options, logits, v.needs_grad(logits))

@@ -91,6 +91,10 @@ class OpSpec:
         """The public function of :mod:`logprob_registry` for this op."""
         import logprob_registry
 
+        if self.function is None:
+            raise ValueError(f"op {self.name!r} has no public function: the distributed core calls it for "
+                             "calls with process_group= (see logprob_registry.distributed)")
+
         return getattr(logprob_registry, self.function)
 
 
@@ -115,6 +119,20 @@ _SAMPLER = (
 )
 _LABELS = ("labels (...) int32/int64 give (...); labels (..., K) give the K candidates' logprobs "
            "(..., K) in one pass (feature 'candidates')")
+# The vocabulary-parallel ops' options (see logprob_registry.distributed).
+_VOCAB_START = Option("vocab_start", 0, "int: global id of the shard's first column (labels are global ids)")
+_TILE = Option("tile", 4096, "int: columns per tile; tiles start at the shard's first column, the last "
+                             "one may be shorter")
+_ENTROPY = Option("with_entropy", False, "bool: also return tile_elog (for the entropy)")
+_STATS = ("tile_max", "tile_sumexp", "tile_elog", "label_logits")
+_STATS_DOC = ("per row and tile of z = logits / temperature (in float32, float64 for float64 input): "
+              "tile_max = max z, tile_sumexp = sum e, tile_elog = sum e * log e (0 where z is -inf; None "
+              "unless with_entropy=True) with e = exp(z - tile_max), all of shape (..., n_tiles); label_logits "
+              "(...) = z at column labels - vocab_start where the shard holds the label and it is not "
+              "ignore_index, else 0 (None when labels is None). A tile's statistics must depend on its own "
+              "columns only (bitwise, for backends declaring group_invariant)")
+_GRADS_DOC = ("lse, entropy: the merged log-sum-exp and entropy of z per row (...); grad_logprobs, "
+              "grad_entropy: upstream gradients (...) or None, grad_logprobs already 0 at ignored positions")
 
 OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec(
@@ -167,7 +185,49 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
             "ties by smaller id; -inf (and the smallest ids left) where fewer than k tokens are kept",
         dtype_input="logits", grad_inputs=("logits",),
     ),
+    OpSpec(
+        name="shard_stats", function=None,
+        inputs=("logits", "labels"),
+        options=(_VOCAB_START, _TILE, _TEMPERATURE, _IGNORE_INDEX, _ENTROPY),
+        outputs=_STATS,
+        doc="vocabulary-parallel forward on one shard: logits (..., V_local), labels (...) global ids or None; "
+            + _STATS_DOC,
+        dtype_input="logits", grad_inputs=(),
+    ),
+    OpSpec(
+        name="shard_grad", function=None,
+        inputs=("logits", "labels", "lse", "entropy", "grad_logprobs", "grad_entropy"),
+        options=(_VOCAB_START, _TEMPERATURE, _INPLACE),
+        outputs=("grad_logits",),
+        doc="vocabulary-parallel backward on one shard: the gradient of the shard (its shape and dtype), "
+            "out of place or, with inplace_backward, over its storage; " + _GRADS_DOC,
+        dtype_input="logits", grad_inputs=(),
+    ),
+    OpSpec(
+        name="hidden_shard_stats", function=None,
+        inputs=("hidden", "weight", "labels"),
+        options=(Option("bias", None, "tensor (V_local,) or None"), _VOCAB_START, _TILE, _TEMPERATURE,
+                 _IGNORE_INDEX, _ENTROPY),
+        outputs=_STATS,
+        doc="shard_stats of the logits hidden @ weight.T + bias of a weight shard (V_local, H), without "
+            "forming them; hidden (..., H)",
+        dtype_input="hidden", grad_inputs=(),
+    ),
+    OpSpec(
+        name="hidden_shard_grad", function=None,
+        inputs=("hidden", "weight", "labels", "lse", "entropy", "grad_logprobs", "grad_entropy"),
+        options=(Option("bias", None, "tensor (V_local,) or None"), _VOCAB_START, _TILE, _TEMPERATURE,
+                 Option("needs_grad", (True, True, False), "(hidden, weight, bias): which gradients to form")),
+        outputs=("grad_hidden", "grad_weight", "grad_bias"),
+        doc="backward of hidden_shard_stats: this shard's share of the hidden gradient (float32, float64 for "
+            "float64; the core sums it over the group), the weight shard's and bias shard's gradients (their "
+            "dtypes), None where not needed; " + _GRADS_DOC,
+        dtype_input="hidden", grad_inputs=(),
+    ),
 )}
+
+#: The ops of the vocabulary-parallel path, called by the core (:mod:`logprob_registry.distributed`).
+SHARD_OPS = tuple(name for name, spec in OPS.items() if spec.function is None)
 
 #: Features a backend may declare (``Backend(features=...)``): options it implements, and kinds of
 #: call it supports. A call that needs a feature goes only to backends that declare it.

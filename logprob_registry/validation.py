@@ -298,3 +298,18 @@ def sampler_options(softcap, top_k, top_p, min_p, keep, logits_shape, device) ->
         min_p=check_min_p(min_p),
         keep=check_keep(keep, logits_shape, device),
     )
+def check_vocab_start(vocab_start: object) -> Optional[int]:
+    """``vocab_start``: None (then ``rank * V_local``) or the global id of the shard's first column."""
+    if vocab_start is None:
+        return None
+    if isinstance(vocab_start, bool):
+        raise TypeError("vocab_start must be an int (the global id of this shard's first column) or None, got a bool")
+    try:
+        value = operator.index(vocab_start)
+    except TypeError:
+        raise TypeError(f"vocab_start must be an int (the global id of this shard's first column) or None, "
+                        f"got {type(vocab_start).__name__}") from None
+    if value < 0:
+        raise ValueError(f"vocab_start={value} is negative; give the global id of this shard's first column "
+                         "(0 on the rank holding the start of the vocabulary)")
+    return value

@@ -13,6 +13,7 @@ import torch
 
 import logprob_registry as lr
 from logprob_registry import reference as ref
+from logprob_registry.distributed.tiles import label_columns, tiled
 from logprob_registry.dtypes import FLOAT_DTYPES, result_dtype
 
 from ._common import pad_rows
@@ -61,6 +62,75 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
     return out[:n].reshape(shape)
 
 
+# ------------------------------------------------- vocabulary-parallel ops (the textbook formulas)
+# Per tile: max, then plain sums. Correct, but a plain sum's order is the kernel's choice (on CUDA it
+# depends on the shape), so naive does not declare group_invariant.
+def _stats(z, labels, vocab_start, tile, ignore_index, with_entropy, lead):
+    """The shard_stats outputs of z (N, V_local) in the result dtype."""
+    z3 = tiled(z, tile)
+    m = z3.amax(-1)
+    d = z3 - m.masked_fill(m == float("-inf"), 0.0).unsqueeze(-1)
+    e = d.exp()
+    nt = z3.shape[1]
+    s = e.sum(-1).view(*lead, nt)
+    t = torch.where(e == 0, 0.0, e * d).sum(-1).view(*lead, nt) if with_entropy else None
+    picked = None
+    if labels is not None:
+        owned, column = label_columns(labels, vocab_start, z.shape[1], ignore_index)
+        picked = torch.where(owned, z.gather(1, column.unsqueeze(1)).squeeze(1), 0.0).view(lead)
+    return m.view(*lead, nt), s, t, picked
+
+
+def _dz(z, labels, lse, entropy, grad_logprobs, grad_entropy, vocab_start, temperature):
+    """d(loss)/d(logits) for z = logits / T of shape (N, V_local), in z's dtype."""
+    logp = z - lse.reshape(-1, 1)
+    p = logp.exp()
+    grad = torch.zeros_like(z)
+    if grad_logprobs is not None:
+        g = grad_logprobs.reshape(-1, 1)
+        grad -= p * g
+        owned, column = label_columns(labels, vocab_start, z.shape[1], None)
+        rows = owned.nonzero().squeeze(1)  # only there: adding 0 elsewhere would turn -0.0 into +0.0
+        grad.index_put_((rows, column[rows]), g[rows, 0], accumulate=True)
+    if grad_entropy is not None:
+        grad -= grad_entropy.reshape(-1, 1) * torch.where(torch.isneginf(z), 0.0, p * (logp + entropy.reshape(-1, 1)))
+    return grad / temperature
+
+
+def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy):
+    z = logits.reshape(-1, logits.shape[-1]).to(result_dtype(logits.dtype)) / temperature
+    return _stats(z, labels, vocab_start, tile, ignore_index, with_entropy, logits.shape[:-1])
+
+
+def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature,
+               inplace_backward):
+    z = logits.reshape(-1, logits.shape[-1]).to(lse.dtype) / temperature
+    grad = _dz(z, labels, lse, entropy, grad_logprobs, grad_entropy, vocab_start, temperature)
+    return grad.to(logits.dtype).view(logits.shape)  # out of place even with inplace_backward
+
+
+def _hidden_logits(hidden, weight, bias, temperature):
+    acc = result_dtype(hidden.dtype)
+    h = hidden.reshape(-1, hidden.shape[-1]).to(acc)
+    return h, torch.nn.functional.linear(h, weight.to(acc), None if bias is None else bias.to(acc)) / temperature
+
+
+def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy):
+    _, z = _hidden_logits(hidden, weight, bias, temperature)
+    return _stats(z, labels, vocab_start, tile, ignore_index, with_entropy, hidden.shape[:-1])
+
+
+def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start,
+                      tile, temperature, needs_grad):
+    h, z = _hidden_logits(hidden, weight, bias, temperature)
+    dz = _dz(z, labels, lse, entropy, grad_logprobs, grad_entropy, vocab_start, temperature)
+    need_h, need_w, need_b = needs_grad
+    gh = (dz @ weight.to(dz.dtype)).view(hidden.shape) if need_h else None
+    gw = (dz.t() @ h).to(weight.dtype) if need_w else None
+    gb = dz.sum(0).to(bias.dtype) if need_b and bias is not None else None
+    return gh, gw, gb
+
+
 @lr.hookimpl
 def register_backends(register):
     register(lr.Backend(
@@ -71,6 +141,10 @@ def register_backends(register):
             "logprobs_and_entropy": logprobs_and_entropy,
             "logprobs_from_hidden": logprobs_from_hidden,
             "topk_logprobs": topk_logprobs,
+            "shard_stats": shard_stats,
+            "shard_grad": shard_grad,
+            "hidden_shard_stats": hidden_shard_stats,
+            "hidden_shard_grad": hidden_shard_grad,
         },
         devices={"cpu", "cuda", "npu", "xpu", "mps", "hpu"},
         dtypes=set(FLOAT_DTYPES),

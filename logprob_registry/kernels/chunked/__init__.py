@@ -13,7 +13,8 @@ and the fused op's ``logits_dtype`` go through :mod:`._sampler`, a chunk of rows
 without them runs the code above, unchanged.
 
 Modules: :mod:`._rows` (the row loops), :mod:`._hidden` (the fused linear op), :mod:`._sampler`
-(the sampler's processing).
+(the sampler's processing), :mod:`._shards` (the vocabulary-parallel ops behind ``process_group=``,
+group invariant).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from logprob_registry import config
 from logprob_registry import reference as ref
 from logprob_registry.dtypes import FLOAT_DTYPES
 
-from . import _hidden, _sampler
+from . import _hidden, _sampler, _shards
 from . import _rows as loops
 
 DEFAULT_WORKSPACE_BYTES = 8 << 20
@@ -179,6 +180,30 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
                                         chunk_bytes=chunk_bytes)
 
 
+def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy):
+    return _shards.shard_stats(logits, labels, vocab_start=vocab_start, tile=tile, temperature=temperature,
+                               ignore_index=ignore_index, with_entropy=with_entropy, budget=workspace_bytes())
+
+
+def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature,
+               inplace_backward):
+    return _shards.shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, vocab_start=vocab_start,
+                              temperature=temperature, inplace_backward=inplace_backward, budget=workspace_bytes())
+
+
+def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy):
+    return _shards.hidden_shard_stats(hidden, weight, labels, bias=bias, vocab_start=vocab_start, tile=tile,
+                                      temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
+                                      budget=_hidden.resolve_chunk_bytes(hidden.device))
+
+
+def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start,
+                      tile, temperature, needs_grad):
+    return _shards.hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, bias=bias,
+                                     vocab_start=vocab_start, temperature=temperature, needs_grad=needs_grad,
+                                     budget=_hidden.resolve_chunk_bytes(hidden.device), tile=tile)
+
+
 @lr.hookimpl
 def register_backends(register):
     register(lr.Backend(
@@ -189,6 +214,10 @@ def register_backends(register):
             "logprobs_and_entropy": logprobs_and_entropy,
             "logprobs_from_hidden": logprobs_from_hidden,
             "topk_logprobs": topk_logprobs,
+            "shard_stats": shard_stats,
+            "shard_grad": shard_grad,
+            "hidden_shard_stats": hidden_shard_stats,
+            "hidden_shard_grad": hidden_shard_grad,
         },
         devices={"cpu", "cuda", "npu", "xpu", "mps", "hpu"},
         dtypes=set(FLOAT_DTYPES),
@@ -198,6 +227,7 @@ def register_backends(register):
         batch_invariant=True,
         deterministic=True,
         features={"candidates", "softcap", "top_k", "top_p", "min_p", "keep", "logits_dtype"},
+        group_invariant=True,
         memory="two fp32 chunk buffers within the workspace budget (8 MiB by default) and a few "
                "floats per row; backward: the gradient, none with inplace_backward",
         description="rows in cache-sized fp32 chunks; no copy of the logits; backward recomputes softmax",

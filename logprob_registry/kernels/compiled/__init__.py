@@ -8,7 +8,7 @@ temperature. How it works, what it costs the first time, and its measured number
 docs/backends/compiled.md.
 
 Modules: :mod:`._kernels` (the kernels and their compilation), :mod:`._ops` (layout, forward,
-autograd).
+autograd), :mod:`._shards` (the vocabulary-parallel ops behind ``process_group=``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Optional
 import logprob_registry as lr
 from logprob_registry.dtypes import FLOAT_DTYPES
 
-from . import _kernels, _ops
+from . import _kernels, _ops, _shards
 from ._kernels import INDUCTOR_OPTIONS, KERNELS, RECOMPILE_LIMIT, TORCH_SPEC, CompileError, compile_counts
 
 __all__ = ["INDUCTOR_OPTIONS", "KERNELS", "RECOMPILE_LIMIT", "TORCH_SPEC", "CompileError", "available",
@@ -100,7 +100,9 @@ def available(env, device: str) -> Optional[str]:
 def register_backends(register):
     register(lr.Backend(
         name="compiled",
-        ops={"logprobs": logprobs, "entropy": entropy, "logprobs_and_entropy": logprobs_and_entropy},
+        ops={"logprobs": logprobs, "entropy": entropy, "logprobs_and_entropy": logprobs_and_entropy,
+             "shard_stats": _shards.shard_stats, "shard_grad": _shards.shard_grad,
+             "hidden_shard_stats": _shards.hidden_shard_stats, "hidden_shard_grad": _shards.hidden_shard_grad},
         devices={"cpu", "cuda"},
         dtypes=set(FLOAT_DTYPES),
         priority=20,
@@ -111,6 +113,7 @@ def register_backends(register):
         batch_invariant=True,
         deterministic=True,
         features={"softcap"},
+        group_invariant=True,
         description="torch.compile (inductor) of the row statistics and of the one-pass gradient; "
                     "no N x V temporary; compiles once per kind of call and process",
     ))

@@ -101,6 +101,24 @@ def _grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float, cap: O
     return (grad * inv_t).to(x.dtype)
 
 
+def _tile_stats(x, k: float):
+    """Per row of a (rows, TILE) block of one vocabulary tile: the raw max, and the sum of exp2(a)
+    with a = (x - max) * k (0 for a tile of nothing but -inf)."""
+    xf = _upcast(x)
+    m = xf.amax(-1, keepdim=True)
+    a = (xf - torch.where(m == float("-inf"), 0.0, m)) * k
+    return m, torch.exp2(a).sum(-1, keepdim=True)
+
+
+def _tile_stats_entropy(x, k: float):
+    """As :func:`_tile_stats`, plus the sum of exp2(a) * a (0 where x is -inf)."""
+    xf = _upcast(x)
+    m = xf.amax(-1, keepdim=True)
+    a = (xf - torch.where(m == float("-inf"), 0.0, m)) * k
+    e = torch.exp2(a)
+    return m, e.sum(-1, keepdim=True), torch.where(e == 0, 0.0, e * a).sum(-1, keepdim=True)
+
+
 def _bwd(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float):
     return _grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t)
 
@@ -119,7 +137,14 @@ def _bwd_inplace_softcap(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: flo
 
 KERNELS: Dict[str, Callable] = {
     f.__name__.lstrip("_"): f for f in (_fwd_logprobs, _fwd_entropy, _bwd, _bwd_inplace, _fwd_logprobs_softcap,
-                                        _fwd_entropy_softcap, _bwd_softcap, _bwd_inplace_softcap)
+                                        _fwd_entropy_softcap, _bwd_softcap, _bwd_inplace_softcap, _tile_stats,
+                                        _tile_stats_entropy)
+}
+# The tile kernels' bits must not depend on the number of rows, nor on an autotuning run (which
+# could pick another reduction order in another process): inductor's deterministic and
+# batch-invariant modes, where this torch has them (torch >= 2.10).
+EXTRA_OPTIONS: Dict[str, dict] = {
+    name: {"deterministic": True, "batch_invariant": True} for name in ("tile_stats", "tile_stats_entropy")
 }
 _compiled: Dict[str, Callable] = {}
 _lock = threading.RLock()
@@ -129,11 +154,22 @@ def _kernel(name: str) -> Callable:
     """The compiled form of kernel ``name``, created on first use (compiling happens at its call)."""
     with _lock:
         if name not in _compiled:
-            kwargs = dict(dynamic=True, fullgraph=True, options=dict(INDUCTOR_OPTIONS))
+            options = dict(INDUCTOR_OPTIONS)
+            options.update(_known_options(EXTRA_OPTIONS.get(name, {})))
+            kwargs = dict(dynamic=True, fullgraph=True, options=options)
             if "recompile_limit" in inspect.signature(torch.compile).parameters:
                 kwargs["recompile_limit"] = RECOMPILE_LIMIT
             _compiled[name] = torch.compile(KERNELS[name], **kwargs)
         return _compiled[name]
+
+
+def _known_options(options: dict) -> dict:
+    """The inductor options of ``options`` that this torch's inductor has."""
+    if not options:
+        return {}
+    from torch._inductor import config as inductor_config
+
+    return {k: v for k, v in options.items() if hasattr(inductor_config, k)}
 
 
 def compile_counts() -> Dict[str, Optional[int]]:
