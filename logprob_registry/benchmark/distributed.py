@@ -174,7 +174,10 @@ def render(result: dict) -> str:
 
 def run_cli(args) -> int:
     """``logprob-registry bench --process-group N`` (arguments parsed by :mod:`logprob_registry.cli.bench`)."""
-    from .settings import BENCH_OPS, DTYPES, parse_list, parse_shape
+    from ..dtypes import DTYPE_NAMES, dtype_name
+    from .settings import parse_list, parse_shape
+
+    ops_here = ("logprobs", "entropy", "logprobs_and_entropy")
 
     world = args.process_group
     try:
@@ -183,8 +186,8 @@ def run_cli(args) -> int:
         if args.device not in (None, "cpu"):
             raise ValueError("--process-group runs gloo processes on the CPU; for CUDA or NPU run your own "
                              "launcher (torchrun) with process_group= (docs/distributed.md)")
-        ops = parse_list(args.op, BENCH_OPS, "op") if args.op else ["logprobs"]
-        dtypes = [DTYPES[d][0] for d in parse_list(args.dtype, DTYPES, "dtype")] or ["float32"]
+        ops = parse_list(args.op, ops_here, "op") if args.op else ["logprobs"]
+        dtypes = [dtype_name(DTYPE_NAMES[d]) for d in parse_list(args.dtype, DTYPE_NAMES, "dtype")] or ["float32"]
         shape = parse_shape(args.shape) if args.shape else DEFAULT_SHAPE
         if shape[2] % world:
             raise ValueError(f"the vocabulary V={shape[2]} does not split evenly over {world} processes; "
