@@ -222,6 +222,8 @@ def register_backends(register):
         devices={"cpu", "cuda", "npu", "xpu", "mps", "hpu"},
         dtypes=set(FLOAT_DTYPES),
         priority=10,
+        # tiny vocabularies (up to 256): its fixed cost per call outweighs the work; naive wins there
+        min_vocab=257,
         autograd=True,
         inplace_backward=True,
         batch_invariant=True,

@@ -106,6 +106,8 @@ def register_backends(register):
         devices={"cpu", "cuda"},
         dtypes=set(FLOAT_DTYPES),
         priority=20,
+        # tiny vocabularies (up to 256): its fixed cost per call outweighs the work; naive wins there
+        min_vocab=257,
         torch=TORCH_SPEC,
         autograd=True,
         available=available,
