@@ -14,6 +14,10 @@ is split in two, as an inference engine's sampler computes it and as a trainer n
 * **the log-probabilities over the kept tokens** are computed accurately, in ``dtype`` (float64
   here), from the same processed logits.
 
+The softcap is computed in float64 and rounded once; with ``logits_dtype`` (the fused op's: an
+engine whose lm_head runs in bf16/fp16) it is computed as that engine computes it, three ops each
+rounded to ``logits_dtype`` (:func:`softcapped`), before the float32 processing.
+
 Every function of this module that decides the kept set is row-wise and is also what the
 ``chunked`` backend runs on its chunks of rows, so that the two decide bit for bit alike.
 """
@@ -67,24 +71,60 @@ def truncates(top_k=None, top_p=None, min_p=None, keep=None) -> bool:
     return top_k is not None or top_p is not None or min_p is not None or keep is not None
 
 
-def softcapped(logits: torch.Tensor, softcap: float) -> torch.Tensor:
+def softcapped(logits: torch.Tensor, softcap: float, logits_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``softcap * tanh(logits / softcap)`` in float64 (differentiable): -inf stays -inf (a masked
     token stays masked), NaN stays NaN.
 
-    Computed in float64 and rounded once by the caller, so that every backend gets the same
-    correctly rounded float32 value wherever an element sits in a tensor (torch's float32 tanh
-    differs by an ulp between its vectorised body and its scalar tail)."""
+    Without ``logits_dtype``: computed in float64 and rounded once by the caller, so that every
+    backend gets the same correctly rounded float32 value wherever an element sits in a tensor
+    (torch's float32 tanh differs by an ulp between its vectorised body and its scalar tail).
+
+    With ``logits_dtype`` (bf16/fp16, the dtype of an engine's lm_head): the softcap as the engine
+    computes it on its head's logits (Hugging Face's Gemma-2, vLLM's ``LogitsProcessor``): three
+    elementwise ops, ``x / softcap``, ``tanh``, ``* softcap``, each rounded to ``logits_dtype``
+    (see :func:`engine_round`). Gradients go straight through each rounding; the softcap's own
+    derivative ``1 - tanh(u)**2`` is taken accurately, in float64, at the rounded ``u = x / softcap``.
+    """
     x = logits.double()
-    capped = torch.tanh(x / softcap) * softcap
-    return torch.where(torch.isneginf(x), x, capped)
+    if logits_dtype is None:
+        capped = torch.tanh(x / softcap) * softcap
+        return torch.where(torch.isneginf(x), x, capped)
+    cap = float32_value(softcap)  # the engine's opmath: a Python-number operand becomes a float32
+    # +-inf to the largest finite float32 (tanh saturates there: the engine's +inf gives softcap; -inf
+    # is put back below), so that no inf - inf of the straight-through rounding makes a NaN.
+    finite = x.clamp(-_F32_MAX, _F32_MAX)
+    u = engine_round(finite / cap, logits_dtype)
+    t = engine_round(torch.tanh(u), logits_dtype)
+    capped = engine_round(t * cap, logits_dtype)
+    return torch.where(torch.isneginf(x), x.detach(), capped)  # -inf: no gradient, as chunked's
+
+
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def float32_value(value: float) -> float:
+    """``value`` rounded to float32 (as a Python float): what a float32 kernel computes with."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+def engine_round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float64, one elementwise op's exact or float64 result) rounded as a bf16/fp16 kernel
+    rounds it: to float32 (its compute dtype), then to ``dtype``; back in ``x``'s dtype, with the
+    identity as gradient. For a division or a product the float64 step changes nothing (53 >= 2 x 24
+    + 2 bits: rounding twice is rounding once), so this is bitwise the engine's op; a float32 tanh
+    differs from the float64 one by an ulp or so of float32, 2**-16 of a bf16 ulp (on every bf16 and
+    fp16 value, tests/test_sampler.py finds torch's bf16/fp16 softcap bitwise equal to this)."""
+    rounded = x.detach().to(torch.float32).to(dtype).to(x.dtype)
+    return x + (rounded - x.detach())
 
 
 def processed_logits(logits: torch.Tensor, *, temperature: float = 1.0, softcap: Optional[float] = None,
-                     dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """``softcap(logits) / temperature`` in ``dtype`` (the softcap computed in float64, rounded to
+                     dtype: torch.dtype = torch.float64, logits_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``softcap(logits) / temperature`` in ``dtype`` (the softcap computed in float64, or with
+    ``logits_dtype`` as the engine's three rounded ops, see :func:`softcapped`, rounded to
     ``dtype``; then the division in ``dtype``). In float32 these are, bit for bit, the logits the
     truncation decision sees (vLLM casts to float32 and divides by a float32 temperature)."""
-    s = logits.to(dtype) if softcap is None else softcapped(logits, softcap).to(dtype)
+    s = logits.to(dtype) if softcap is None else softcapped(logits, softcap, logits_dtype).to(dtype)
     if temperature == 1.0:
         return s
     # A tensor divisor on the logits' device, as vLLM's per-row temperature: a true division on
@@ -92,10 +132,12 @@ def processed_logits(logits: torch.Tensor, *, temperature: float = 1.0, softcap:
     return s / torch.tensor(temperature, dtype=dtype, device=s.device)
 
 
-def decision_logits(logits: torch.Tensor, temperature: float = 1.0, softcap: Optional[float] = None) -> torch.Tensor:
+def decision_logits(logits: torch.Tensor, temperature: float = 1.0, softcap: Optional[float] = None,
+                    logits_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The float32 processed logits that the truncation decision reads (no gradient)."""
     with torch.no_grad():
-        return processed_logits(logits.detach(), temperature=temperature, softcap=softcap, dtype=torch.float32)
+        return processed_logits(logits.detach(), temperature=temperature, softcap=softcap, dtype=torch.float32,
+                                logits_dtype=logits_dtype)
 
 
 def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
@@ -222,11 +264,11 @@ def keep_mask(keep: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def kept_tokens(logits: torch.Tensor, *, temperature: float = 1.0, softcap: Optional[float] = None,
                 top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
-                keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+                keep: Optional[torch.Tensor] = None, logits_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The bool mask ``(..., V)`` of the tokens the sampler keeps (see :func:`truncation_boundary`)."""
     top_k, top_p, min_p = _normalise(logits.shape[-1], top_k, top_p, min_p)
     vocab = logits.shape[-1]
-    y = decision_logits(logits, temperature, softcap).reshape(-1, vocab)
+    y = decision_logits(logits, temperature, softcap, logits_dtype).reshape(-1, vocab)
     boundary = None
     if top_k is not None or top_p is not None or min_p is not None:
         boundary = truncation_boundary(y, top_k=top_k, top_p=top_p, min_p=min_p)
@@ -269,15 +311,17 @@ def _truncated_gather(logp, kept, outside, labels, ignore_index):
 
 class _Processed:
     """The processed distribution of one call: ``logp`` ``(..., V)`` and, with truncation, the
-    kept mask and the value outside it."""
+    kept mask and the value outside it. ``logits_dtype``: the softcap as an engine whose lm_head
+    runs in that dtype computes it (:func:`softcapped`)."""
 
-    def __init__(self, logits, temperature, dtype, softcap, top_k, top_p, min_p, keep):
+    def __init__(self, logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype=None):
         top_k, top_p, min_p = _normalise(logits.shape[-1], top_k, top_p, min_p)
-        self.z = processed_logits(logits, temperature=temperature, softcap=softcap, dtype=dtype)
+        self.z = processed_logits(logits, temperature=temperature, softcap=softcap, dtype=dtype,
+                                  logits_dtype=logits_dtype)
         self.kept = None
         if truncates(top_k, top_p, min_p, keep):
             self.kept = kept_tokens(logits, temperature=temperature, softcap=softcap, top_k=top_k,
-                                    top_p=top_p, min_p=min_p, keep=keep)
+                                    top_p=top_p, min_p=min_p, keep=keep, logits_dtype=logits_dtype)
             self.logp, self.outside = _truncated(self.z, self.kept)
         else:
             self.logp = self.z.log_softmax(-1)
@@ -302,46 +346,52 @@ def logprobs(
     logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
     ignore_index: Optional[int] = None, dtype: torch.dtype = torch.float64,
     softcap: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
-    min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None,
+    min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None, logits_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """``log_softmax(processed logits)[..., labels]``; labels ``(...)`` or candidates ``(..., K)``."""
+    """``log_softmax(processed logits)[..., labels]``; labels ``(...)`` or candidates ``(..., K)``.
+
+    ``logits_dtype`` (not a keyword of the public logits ops: ``logprobs_from_hidden`` passes its
+    own): the dtype of the engine's lm_head, in which the softcap then runs (:func:`softcapped`);
+    without a softcap it changes nothing here."""
     if not sampler_used(softcap, top_k, top_p, min_p, keep):
         return _gather(_prepare(logits, temperature, dtype).log_softmax(-1), labels, ignore_index)
-    d = _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep)
+    d = _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype)
     return d.gather(labels, ignore_index)
 
 
 def entropy(logits: torch.Tensor, *, temperature: float = 1.0, dtype: torch.dtype = torch.float64,
             softcap: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
-            min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Entropy of the processed distribution (over the kept tokens)."""
+            min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None,
+            logits_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Entropy of the processed distribution (over the kept tokens); ``logits_dtype`` as in :func:`logprobs`."""
     if not sampler_used(softcap, top_k, top_p, min_p, keep):
         x = _prepare(logits, temperature, dtype)
         return _entropy(x, x.log_softmax(-1))
-    return _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep).entropy()
+    return _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype).entropy()
 
 
 def logprobs_and_entropy(
     logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
     ignore_index: Optional[int] = None, dtype: torch.dtype = torch.float64,
     softcap: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
-    min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None,
+    min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None, logits_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     if not sampler_used(softcap, top_k, top_p, min_p, keep):
         x = _prepare(logits, temperature, dtype)
         logp = x.log_softmax(-1)
         return _gather(logp, labels, ignore_index), _entropy(x, logp)
-    d = _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep)
+    d = _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype)
     return d.gather(labels, ignore_index), d.entropy()
 
 
 def processed_logprobs(logits: torch.Tensor, *, temperature: float = 1.0, dtype: torch.dtype = torch.float64,
                        softcap: Optional[float] = None, top_k: Optional[int] = None,
                        top_p: Optional[float] = None, min_p: Optional[float] = None,
-                       keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       keep: Optional[torch.Tensor] = None, logits_dtype: Optional[torch.dtype] = None,
+                       ) -> torch.Tensor:
     """Every token's processed log-probability ``(..., V)`` (vLLM's ``processed_logprobs``):
-    ``-inf`` outside the kept set."""
-    return _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep).full()
+    ``-inf`` outside the kept set; ``logits_dtype`` as in :func:`logprobs`."""
+    return _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype).full()
 
 
 def topk_ids(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -386,7 +436,8 @@ def hidden_logits(
     logits_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """``hidden @ weight.T + bias`` in ``dtype``; with ``logits_dtype`` each logit rounded to it
-    (its value; the gradient passes straight through the rounding)."""
+    (its value; the gradient passes straight through the rounding). The softcap, if any, comes
+    after, in ``logits_dtype`` too (:func:`logprobs_from_hidden`)."""
     logits = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
     if logits_dtype is not None:
         logits = straight_through_round(logits, logits_dtype)
@@ -406,9 +457,13 @@ def logprobs_from_hidden(
     top_p: Optional[float] = None, min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None,
     logits_dtype: Optional[torch.dtype] = None,
 ):
+    """The logits ``hidden @ weight.T + bias`` (:func:`hidden_logits`), then :func:`logprobs` (and
+    :func:`entropy`). With ``logits_dtype``, as an engine whose lm_head runs in it: each logit
+    rounded to it, then the softcap in it (three ops, each rounded); the temperature, the truncation
+    and the log-softmax as without it (the decision on the float32 processed logits, as the engine's)."""
     logits = hidden_logits(hidden, weight, bias, dtype, logits_dtype)
     kw = dict(temperature=temperature, dtype=dtype, softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p,
-              keep=keep)
+              keep=keep, logits_dtype=logits_dtype)
     if return_entropy:
         return logprobs_and_entropy(logits, labels, ignore_index=ignore_index, **kw)
     return logprobs(logits, labels, ignore_index=ignore_index, **kw)

@@ -6,6 +6,7 @@ this on two CPU cores."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -110,6 +111,45 @@ def test_a_replay_without_the_softcap_is_caught(models, reports):
                                                temperature=0.7, top_k=50, top_p=0.8))
     wrong = parity.metrics(torch.cat(got), d.generation)
     assert wrong.max_abs > 100 * r.bound_replay, wrong
+
+
+# The bf16 Gemma-2's replay (softcap=30, logits_dtype=bf16): the registry softcaps the bf16 logits
+# in bf16, three rounded ops as the model's forward, so only the fp32 log-softmax's rounding is left:
+# measured 2.4e-7 (chunked; naive 0), where the softcap computed in fp32 was off by 0.048.
+BF16_REPLAY = 1e-6
+
+
+@pytest.fixture(scope="module")
+def gemma2_bf16(models):
+    model = copy.deepcopy(models["tiny-gemma2"]).to(torch.bfloat16)  # = tiny_models(dtype=torch.bfloat16)'s
+    return model, parity.check_model(model, "tiny-gemma2", SETTINGS)
+
+
+def test_bf16_gemma2_replay_softcaps_in_bf16_as_the_model(gemma2_bf16):
+    """In bf16 the model softcaps its bf16 logits with three bf16 ops; the replay
+    (``logits_dtype=torch.bfloat16``) does the same and matches to fp32 rounding, in every backend
+    that replays; the same replay with the softcap on the model's bf16 logits computed in float32
+    (0.1's rule) is off by ~1e-2."""
+    model, r = gemma2_bf16
+    assert r.dtype == "bfloat16" and r.softcap == 30.0 and r.source == "hidden"
+    assert r.replay.outside_kept == 0 and r.replay.tokens == SETTINGS.prompts * SETTINGS.new_tokens
+    assert r.replay.max_abs <= BF16_REPLAY, r.replay
+    assert abs(r.observed_mean_ratio - r.predicted_mean_ratio) <= BF16_REPLAY
+    d = r.data
+    weight = model.lm_head.weight
+    for backend in _replay_backends():
+        got, fp32_softcap = [], []
+        for seq in d.sequences:
+            with torch.no_grad():
+                hidden = model.get_decoder()(input_ids=seq[None, :-1]).last_hidden_state[0, d.prompt_length - 1:]
+                kw = dict(temperature=0.7, top_k=50, top_p=0.8, softcap=30.0, backend=backend)
+                got.append(lr.logprobs_from_hidden(hidden, weight, seq[d.prompt_length:], logits_dtype=torch.bfloat16,
+                                                   **kw))
+                logits = torch.nn.functional.linear(hidden, weight).float()  # bf16 products, softcap in fp32
+                fp32_softcap.append(lr.logprobs_from_logits(logits, seq[d.prompt_length:], **kw))
+        m = parity.metrics(torch.cat(got), d.generation)
+        assert m.outside_kept == 0 and m.max_abs <= BF16_REPLAY, (backend, m)
+        assert parity.metrics(torch.cat(fp32_softcap), d.generation).max_abs > 1e-2, backend
 
 
 def test_metrics_by_hand():

@@ -143,6 +143,133 @@ def test_keep_everything_changes_values_only_within_rounding():
     assert (plain - kept_all).abs().max().item() < 1e-5
 
 
+# --------------------------------------------------------------------------- logits_dtype and the softcap
+def _engine_softcap(logits, cap):
+    """The softcap as Hugging Face's Gemma-2 (``modeling_gemma2.py``) and vLLM's ``LogitsProcessor``
+    (``vllm/model_executor/layers/logits_processor.py``) compute it on the lm_head's bf16/fp16 logits:
+    three ops, each rounded to the logits' dtype."""
+    logits = logits / cap
+    logits = torch.tanh(logits)
+    logits = logits * cap
+    return logits
+
+
+def _every_value(dtype):
+    """Every finite value of a 16-bit float dtype, in one tensor."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    return x[torch.isfinite(x)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_logits_dtype_softcap_is_the_engines_three_ops_bitwise(dtype):
+    """On every finite bf16 (fp16) logit, the reference's processed logits with ``logits_dtype`` are
+    bitwise the engine's three-op softcap cast to float32 (and divided by a float32 temperature), and
+    chunked computes the same bits; the softcap computed exactly and rounded once differs."""
+    x = _every_value(dtype)
+    for cap in (30.0, 50.0, 5.0, 0.7):
+        engine = _engine_softcap(x, cap).float()
+        got = ref.processed_logits(x, softcap=cap, logits_dtype=dtype, dtype=torch.float32)
+        assert torch.equal(got, engine), (dtype, cap, int((got != engine).sum()))
+        scaled = ref.processed_logits(x, softcap=cap, logits_dtype=dtype, temperature=0.7, dtype=torch.float32)
+        assert torch.equal(scaled, engine / torch.tensor(0.7)), (dtype, cap)
+        plan = _sampler.make_plan((1, x.numel()), torch.float32, x.device, 1 << 30, temperature=0.7, softcap=cap,
+                                  top_k=None, top_p=None, min_p=None, keep=None)
+        plan.logits_dtype = dtype
+        z, _, _ = _sampler._processed(x.float()[None], plan)
+        assert torch.equal(z[0], scaled), (dtype, cap)
+        once = ref.processed_logits(x, softcap=cap, dtype=torch.float32)
+        assert not torch.equal(once, engine)
+
+
+def test_logits_dtype_softcap_special_values_and_gradient():
+    """-inf stays -inf (zero gradient), +inf gives the cap, NaN stays NaN; the gradient is
+    ``1 - tanh(u)**2`` at the rounded ``u = x / cap``, straight through each rounding, in float64."""
+    x = torch.tensor([float("-inf"), float("inf"), float("nan"), 0.0, 1.0, -7.25, 29.5, 61.0, -300.0],
+                     dtype=torch.bfloat16).double().requires_grad_(True)
+    s = ref.softcapped(x, 30.0, torch.bfloat16)
+    engine = _engine_softcap(x.detach()[1:].to(torch.bfloat16), 30.0).double()
+    assert s[0].item() == NEG and s[1].item() == 30.0 and math.isnan(s[2].item())
+    assert torch.equal(s[3:].detach(), engine[2:])
+    s[[0, 1, 3, 4, 5, 6, 7, 8]].sum().backward()
+    u = (x.detach() / 30.0).float().to(torch.bfloat16).double()
+    want = 1 / torch.cosh(u) ** 2  # = 1 - tanh(u)**2
+    assert x.grad[0].item() == 0.0 and x.grad[1].item() == 0.0 and x.grad[2].item() == 0.0
+    assert torch.allclose(x.grad[3:], want[3:], rtol=1e-14, atol=1e-16), (x.grad, want)
+    assert float((x.grad[3:] - (1 - (s[3:].detach() / 30.0) ** 2)).abs().max()) > 1e-4  # not from the rounded tanh
+
+
+def _exact_hidden(rows=6, vocab=1000, dim=32, seed=0):
+    """Hidden states and an lm_head whose products are exact in float32 (multiples of 1/2048, a few
+    thousand of them): any matmul gives the same logits, hence the same bf16 logits, spread to +-60
+    as a Gemma-2's under its softcap of 30."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randint(-8, 9, (rows, dim), generator=g).float() / 8
+    w = torch.randint(-256, 257, (vocab, dim), generator=g).float() / 256
+    return h, w
+
+
+def test_logits_dtype_softcap_replays_the_engines_logits():
+    """``logprobs_from_hidden(..., softcap=30, logits_dtype=bf16)`` gives what a replay of the
+    engine's own softcapped bf16 logits gives (``logprobs_from_logits`` without softcap): bitwise in
+    naive, within fp32 rounding in chunked, the same kept set in both."""
+    h, w = _exact_hidden()
+    assert torch.equal(h.double() @ w.double().T, (h @ w.T).double())
+    logits = (h @ w.T).to(torch.bfloat16)
+    engine = _engine_softcap(logits, 30.0).float()
+    y = torch.randint(0, 1000, (6,), generator=torch.Generator().manual_seed(1))
+    y[::2] = engine.argmax(-1)[::2]
+    labels = torch.cat([y[:, None], torch.arange(1000).expand(6, 1000)], 1)  # every token, as candidates
+    for kw in (dict(temperature=0.7), dict(temperature=0.7, top_k=50, top_p=0.8), dict(min_p=0.05)):
+        for backend in ("naive", "chunked"):
+            got = lr.logprobs_from_hidden(h, w, labels, softcap=30.0, logits_dtype=torch.bfloat16, backend=backend,
+                                          **kw)
+            want = lr.logprobs_from_logits(engine, labels, backend=backend, **kw)
+            kept = torch.isfinite(want)
+            assert torch.equal(torch.isfinite(got), kept), (backend, kw)
+            if backend == "naive":
+                assert torch.equal(got, want), (kw, float((got - want)[kept].abs().max()))
+            else:
+                assert float((got - want)[kept].abs().max()) < 1e-6, kw
+            old = lr.logprobs_from_logits(logits.float(), labels, softcap=30.0, backend=backend, **kw)
+            assert float((old - want)[kept & torch.isfinite(old)].abs().max()) > 1e-2, kw  # what 0.1 did
+
+
+def test_logits_dtype_softcap_gradients_naive_and_chunked_agree():
+    """The fused op's gradients through the bf16 softcap: chunked against naive (the reference in
+    float32), and against straight-through autograd of the engine's three ops in float64."""
+    h0, w0 = _exact_hidden(rows=4, vocab=600)
+    y = torch.randint(0, 600, (4,), generator=torch.Generator().manual_seed(2))
+    grads = {}
+    for backend in ("naive", "chunked"):
+        h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        lp, ent = lr.logprobs_from_hidden(h, w, y, softcap=30.0, logits_dtype=torch.bfloat16, temperature=0.8,
+                                          top_p=0.95, return_entropy=True, backend=backend)
+        (lp.sum() + ent.sum()).backward()
+        grads[backend] = (h.grad, w.grad)
+    for a, b in zip(*grads.values()):
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), float((a - b).abs().max())
+    plain = lr.logprobs_from_hidden(h0, w0.requires_grad_(True), y, softcap=30.0, temperature=0.8, top_p=0.95,
+                                    backend="chunked")
+    plain.sum().backward()
+    assert not torch.allclose(w0.grad, grads["chunked"][1], rtol=1e-3, atol=0)  # the rounding is seen
+
+
+def test_softcap_without_logits_dtype_is_computed_once_as_before():
+    """Without logits_dtype the softcap is computed in float64 and rounded once (bitwise), and
+    ``logits_dtype=None`` is bitwise the call without it, softcap included, in both backends."""
+    x = _every_value(torch.bfloat16)
+    x64 = x.double()
+    once = torch.where(torch.isneginf(x64), x64, torch.tanh(x64 / 30.0) * 30.0).float()
+    assert torch.equal(ref.processed_logits(x, softcap=30.0, dtype=torch.float32), once)
+    h, w = _exact_hidden(rows=3, vocab=500)
+    y = torch.randint(0, 500, (3,), generator=torch.Generator().manual_seed(3))
+    for backend in ("naive", "chunked"):
+        for kw in (dict(softcap=30.0), dict(softcap=30.0, top_p=0.9)):
+            a = lr.logprobs_from_hidden(h, w, y, return_entropy=True, backend=backend, **kw)
+            b = lr.logprobs_from_hidden(h, w, y, return_entropy=True, backend=backend, logits_dtype=None, **kw)
+            assert all(torch.equal(p, q) for p, q in zip(a, b)), (backend, kw)
+
+
 # --------------------------------------------------------------------------- chunked's memory
 def test_chunked_top_p_memory_is_bounded_by_its_workspace():
     """top_p: the extra peak is the chunk workspace (here 1 MiB, so one row of 32768 at a time,
@@ -266,6 +393,16 @@ def _top_p_before_top_k(logits, labels, *, temperature, ignore_index, inplace_ba
                         keep=keep, **sampler)
 
 
+def _softcap_in_float32(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy,
+                        logits_dtype=None, **sampler):
+    """logits_dtype's rounding, then the softcap computed exactly (not in logits_dtype, as 0.1 did)."""
+    logits = ref.hidden_logits(hidden, weight, bias, torch.float32, logits_dtype)
+    kw = dict(temperature=temperature, dtype=torch.float32, **sampler)
+    if return_entropy:
+        return ref.logprobs_and_entropy(logits, labels, ignore_index=ignore_index, **kw)
+    return ref.logprobs(logits, labels, ignore_index=ignore_index, **kw)
+
+
 BUGS = {
     "full-vocabulary": (_full_vocab, "test_top_p", dict(op="logprobs", dtype="float32")),
     "exactly-k": (_exactly_k, "test_top_k", dict(op="logprobs", dtype="float32")),
@@ -276,16 +413,24 @@ BUGS = {
 }
 
 
-@pytest.mark.parametrize("bug", list(BUGS))
+FUSED_BUGS = {
+    "softcap-in-float32-bf16": (_softcap_in_float32, "test_fused_logits_dtype_softcap", dict(logits_dtype="bfloat16")),
+    "softcap-in-float32-fp16": (_softcap_in_float32, "test_fused_logits_dtype_softcap", dict(logits_dtype="float16")),
+    "softcap-in-float32-truncated": (_softcap_in_float32, "test_fused_logits_dtype_softcap_truncated", {}),
+}
+
+
+@pytest.mark.parametrize("bug", list(BUGS) + list(FUSED_BUGS))
 def test_semantics_section_fails_a_wrong_backend(bug):
-    function, test, params = BUGS[bug]
+    function, test, params = BUGS[bug] if bug in BUGS else FUSED_BUGS[bug]
+    op = "logprobs" if bug in BUGS else "logprobs_from_hidden"
     name = "bug-" + bug.replace("_", "-")
 
     class Plugin:
         @lr.hookimpl
         def register_backends(self, register):
-            register(lr.Backend(name=name, ops={"logprobs": function}, devices={"cpu"}, autograd=True,
-                                features={"softcap", "top_k", "top_p", "min_p", "keep"}))
+            register(lr.Backend(name=name, ops={op: function}, devices={"cpu"}, autograd=True,
+                                features={"softcap", "top_k", "top_p", "min_p", "keep", "logits_dtype"}))
 
     registry = lr.get_registry()
     registry.add_plugin(Plugin(), name="test-plugin-" + name)

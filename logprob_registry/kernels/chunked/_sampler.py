@@ -3,19 +3,21 @@
 ``logits_dtype``: the same semantics as :mod:`logprob_registry.reference`, a chunk of rows at a time.
 
 A chunk of rows is processed whole: its processed logits ``z = softcap(x) / T`` (the softcap in
-float64, rounded once), the truncation decision on the float32 processed logits (the reference's own
-row-wise functions, so that the kept set is the reference's bit for bit, vLLM's fp32 procedure; its
-``top_p`` sorts this chunk's rows and no more), then the log-sum-exp over the kept tokens, the labels'
-values, the entropy, or the top k. A chunk holds as many rows as fit :data:`BYTES_PER_ELEMENT` bytes
-per logit in the workspace budget (at least one row): every temporary of the chunk (the float32
-processed logits, the float64 softcap, the sort's values and int64 ids, the softmax and cumulative
-sum, the masks) counts in it, so memory stays bounded whatever the vocabulary (a 262144-token row
-alone is 10 MiB of temporaries, an fp32 row being 1 MiB).
+float64, rounded once; with the fused op's ``logits_dtype``, the engine's three ops each rounded to
+it, as :func:`reference.softcapped`), the truncation decision on the float32 processed logits (the
+reference's own row-wise functions, so that the kept set is the reference's bit for bit, vLLM's
+fp32 procedure; its ``top_p`` sorts this chunk's rows and no more), then the log-sum-exp over the
+kept tokens, the labels' values, the entropy, or the top k. A chunk holds as many rows as fit
+:data:`BYTES_PER_ELEMENT` bytes per logit in the workspace budget (at least one row): every
+temporary of the chunk (the float32 processed logits, the float64 softcap, the sort's values and
+int64 ids, the softmax and cumulative sum, the masks) counts in it, so memory stays bounded
+whatever the vocabulary (a 262144-token row alone is 10 MiB of temporaries, an fp32 row being 1 MiB).
 
 Per row, the forward keeps the log-sum-exp (``m``, ``log s``), the entropy and the truncation
 boundary ``(t, j)`` (the kept tokens are those at or after it in ``(value, id)`` order), so the
 backward recomputes the kept set of any tile of columns without sorting again. Gradients: a label
-outside the kept set gets none; ``d z / d x = (1 - tanh(x / cap)**2) / T``.
+outside the kept set gets none; ``d z / d x = (1 - tanh(u)**2) / T`` with ``u = x / cap`` (rounded
+to ``logits_dtype`` when given; each rounding straight through).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Plan:
     rows: int                     # rows per chunk
     fixed_shape: bool             # chunks padded to ``rows`` rows (accelerators)
     cdt: torch.dtype              # compute dtype
+    logits_dtype: Optional[torch.dtype] = None  # the fused op's: the softcap runs in it
 
     @property
     def boundary(self) -> bool:
@@ -103,21 +106,51 @@ def _pad(t: torch.Tensor, rows: int, value=0) -> torch.Tensor:
     return torch.cat([t, t.new_full((short,) + tuple(t.shape[1:]), value)])
 
 
-def _processed(src: torch.Tensor, plan: Plan, want_cap: bool = False):
-    """``(z, y32, cap)`` of rows ``src``: the processed logits in the compute dtype (a buffer of
-    their own), the float32 decision logits (``z`` itself when that is float32) and, if asked, the
-    float64 softcapped logits. The same arithmetic as :func:`reference.processed_logits`."""
+def _engine_round_(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` rounded in place as a ``dtype`` kernel rounds (float32, then ``dtype``):
+    :func:`reference.engine_round`'s value."""
+    return t.copy_(t.to(torch.float32).to(dtype))
+
+
+def _softcap_in_dtype(src: torch.Tensor, plan: Plan, want_grad: bool):
+    """``(s, d)``: the softcap of rows ``src`` as an engine whose lm_head runs in ``plan.logits_dtype``
+    computes it (``x / cap``, ``tanh``, ``* cap``, each rounded to it; :func:`reference.softcapped`),
+    in the compute dtype (a buffer of its own), and, if asked, its float64 derivative
+    ``1 - tanh(u)**2`` at the rounded ``u = x / cap`` (0 at -inf)."""
+    ld, cap = plan.logits_dtype, ref.float32_value(plan.softcap)
+    f32_max = torch.finfo(torch.float32).max
+    u = torch.empty(src.shape, dtype=torch.float64, device=src.device).copy_(src)
+    neg = torch.isneginf(u)
+    _engine_round_(u.clamp_(-f32_max, f32_max).div_(cap), ld)
+    u.tanh_()  # now tanh(u), accurate
+    s = torch.empty(src.shape, dtype=plan.cdt, device=src.device).copy_(u)
+    _engine_round_(_engine_round_(s, ld).mul_(cap), ld).masked_fill_(neg, NEG_INF)
+    d = None
+    if want_grad:
+        d = u.square_().neg_().add_(1.0).masked_fill_(neg, 0.0)
+    return s, d
+
+
+def _processed(src: torch.Tensor, plan: Plan, want_grad: bool = False):
+    """``(z, y32, d)`` of rows ``src``: the processed logits in the compute dtype (a buffer of
+    their own), the float32 decision logits (``z`` itself when that is float32) and, if asked
+    (and softcapped), the float64 derivative of the softcap. The same arithmetic as
+    :func:`reference.processed_logits`."""
     cdt = plan.cdt
-    cap = None
-    if plan.softcap is not None:
+    cap = d = None
+    if plan.softcap is not None and plan.logits_dtype is not None:
+        z, d = _softcap_in_dtype(src, plan, want_grad)
+        s = z
+    elif plan.softcap is not None:
         cap = torch.empty(src.shape, dtype=torch.float64, device=src.device).copy_(src)
         neg = torch.isneginf(cap)
         cap.div_(plan.softcap).tanh_().mul_(plan.softcap).masked_fill_(neg, NEG_INF)
         del neg
         s = cap
+        z = torch.empty(src.shape, dtype=cdt, device=src.device).copy_(s)
     else:
         s = src
-    z = torch.empty(src.shape, dtype=cdt, device=src.device).copy_(s)
+        z = torch.empty(src.shape, dtype=cdt, device=src.device).copy_(s)
     y32 = None
     if plan.truncates and cdt != torch.float32:
         y32 = torch.empty(src.shape, dtype=torch.float32, device=src.device).copy_(s)
@@ -127,9 +160,10 @@ def _processed(src: torch.Tensor, plan: Plan, want_cap: bool = False):
         z.div_(torch.tensor(plan.temperature, dtype=cdt, device=src.device))
     if y32 is None and plan.truncates:
         y32 = z
-    if not want_cap:
-        cap = None
-    return z, y32, cap
+    if cap is not None and want_grad:  # d softcap(x) / dx = 1 - tanh(x / cap)**2, 0 at -inf
+        neg = torch.isneginf(cap)
+        d = cap.div_(plan.softcap).square_().neg_().add_(1.0).masked_fill_(neg, 0.0)
+    return z, y32, d
 
 
 def _keep_tile(plan: Plan, sl: slice, rows: int, v0: int, v1: int) -> Optional[torch.Tensor]:
@@ -239,7 +273,7 @@ def backward_tile(src: torch.Tensor, sl: slice, v0: int, plan: Plan, stats: Stat
     rows = plan.rows if plan.fixed_shape else r
     if plan.fixed_shape:
         src = _pad(src, rows)
-    z, y32, cap = _processed(src, plan, want_cap=plan.softcap is not None)
+    z, y32, dcap = _processed(src, plan, want_grad=True)
     kept = _kept(y32, plan, stats, sl, v0)
     del y32
     m, log_s = _pad(stats.m[sl], rows), _pad(stats.log_s[sl], rows)
@@ -274,9 +308,8 @@ def backward_tile(src: torch.Tensor, sl: slice, v0: int, plan: Plan, stats: Stat
         dz.scatter_add_(1, local, g)
     if plan.temperature != 1.0:
         dz.div_(plan.temperature)
-    if cap is not None:  # d softcap(x) / dx = 1 - tanh(x / cap)**2, 0 at -inf
-        neg = torch.isneginf(cap)
-        dz.mul_(cap.div_(plan.softcap).square_().neg_().add_(1.0).masked_fill_(neg, 0.0))
+    if dcap is not None:
+        dz.mul_(dcap)
     return dz[:r]
 
 
@@ -528,6 +561,7 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
         index = index.masked_fill(~valid, 0)
     plan = make_plan((n, v), hidden.dtype, hidden.device, budget, temperature=temperature, softcap=softcap,
                      top_k=top_k, top_p=top_p, min_p=min_p, keep=keep, want_entropy=return_entropy)
+    plan.logits_dtype = logits_dtype
     plan.rows = max(plan.rows, min(n, MIN_GEMM_ROWS)) if n else 1
     tiles = _hidden.plan(n, v, hdim, hidden.dtype, _hidden.resolve_chunk_bytes(hidden.device, chunk_bytes))
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))

@@ -165,7 +165,7 @@ def _check_hidden(lp: Harness, what: str, y: torch.Tensor, grad: bool, dtype=tor
     logits_dtype = rkw.pop("logits_dtype", None)
     hr, wr, br = (r.detach() for r in refs)
     logits = ref.hidden_logits(hr, wr, br, logits_dtype=logits_dtype).requires_grad_(True)
-    outs = ref.logprobs_and_entropy(logits, y.cpu(), **rkw)
+    outs = ref.logprobs_and_entropy(logits, y.cpu(), logits_dtype=logits_dtype, **rkw)
     dl = torch.autograd.grad(outs, logits, ups)[0].abs().reshape(-1, w0.shape[0])
     bounds = {"hidden": dl @ wr.abs(), "weight": dl.T @ hr.abs().reshape(-1, h0.shape[-1]), "bias": dl.sum(0)}
     rel = 4 * tol * ((1 + math.log(w0.shape[0]))) + 2 * (EPS32 if dtype == torch.float32 else torch.finfo(dtype).eps)
@@ -462,6 +462,46 @@ class SemanticsSection:
         h, w, b = _hidden_inputs(lp)
         y = _labels(lp, (h.double() @ w.double().T))
         _check_hidden(lp, "logits_dtype=bfloat16 gradients", y, True, logits_dtype=torch.bfloat16)
+
+    @covers(HIDDEN, features=("logits_dtype", "softcap"))
+    @pytest.mark.parametrize("logits_dtype", ["bfloat16", "float16"])
+    def test_fused_logits_dtype_softcap(self, lp: Harness, logits_dtype: str) -> None:
+        """With ``logits_dtype`` the softcap runs in it, as the engine's lm_head computes it: ``x / cap``,
+        ``tanh``, ``* cap``, each rounded to ``logits_dtype``; then float32. A softcap computed in
+        float32 on the rounded logits is off by an ulp of ``logits_dtype`` or so, beyond the tolerance
+        (25 times it in bf16, 5 times in fp16, on these inputs)."""
+        _require(lp, HIDDEN, ("logits_dtype", "softcap"))
+        ld = getattr(torch, logits_dtype)
+        h, w, b = _hidden_inputs(lp)
+        y = _labels(lp, (h.double() @ w.double().T))
+        kw = dict(softcap=3.0, logits_dtype=ld, temperature=0.9)
+        _check_hidden(lp, f"logits_dtype={logits_dtype}, softcap=3", y, False, **kw)
+        got = lp.call_hidden(h, w, y, bias=b, **kw)[0].cpu().double()
+        logits = ref.hidden_logits(*(t.cpu().double() for t in (h, w, b)), logits_dtype=ld)
+        in_float32 = ref.logprobs(logits, y.cpu(), softcap=3.0, temperature=0.9)  # the softcap not in ld
+        gap = float((got - in_float32).abs().max())
+        assert gap > 4 * _hidden_tolerance(h, w, b, 0.9), (
+            f"logits_dtype={logits_dtype}, softcap=3: within {gap:.3g} of a softcap computed in float32")
+
+    @covers(HIDDEN, features=("logits_dtype",) + SAMPLER)
+    def test_fused_logits_dtype_softcap_truncated(self, lp: Harness) -> None:
+        """The kept set is decided on the float32 processed logits the engine's sampler sees: those
+        of the softcap computed in ``logits_dtype``."""
+        _require(lp, HIDDEN, ("logits_dtype",) + SAMPLER)
+        h, w, b = _hidden_inputs(lp)
+        y = _labels(lp, (h.double() @ w.double().T))
+        kw = dict(softcap=3.0, min_p=0.02, top_k=60, top_p=0.9, keep=_keep(lp, "ids", (2, 5, 700)), temperature=0.7)
+        _check_hidden(lp, "logits_dtype=bfloat16, every keyword", y, False, logits_dtype=torch.bfloat16, **kw)
+
+    @covers(HIDDEN, grad=True, features=("logits_dtype", "softcap"))
+    def test_fused_logits_dtype_softcap_gradients(self, lp: Harness) -> None:
+        """Straight through each of the three roundings; the softcap's derivative ``1 - tanh(u)**2``
+        at the rounded ``u = x / cap``."""
+        _require(lp, HIDDEN, ("logits_dtype", "softcap"), grad=True)
+        h, w, b = _hidden_inputs(lp)
+        y = _labels(lp, (h.double() @ w.double().T))
+        _check_hidden(lp, "logits_dtype=bfloat16, softcap=3 gradients", y, True, logits_dtype=torch.bfloat16,
+                      softcap=3.0, temperature=0.9)
 
     @covers(HIDDEN, features=("candidates",))
     def test_fused_candidates(self, lp: Harness) -> None:
