@@ -11,6 +11,7 @@ from .ops import (
     logprobs_from_hidden,
     logprobs_from_logits,
     select,
+    topk_logprobs,
 )
 from .registry import BackendFallbackWarning, NoEligibleBackendError, get_registry, use_backend
 
@@ -29,6 +30,7 @@ __all__ = [
     "logprobs_from_hidden",
     "logprobs_from_logits",
     "select",
+    "topk_logprobs",
     "use_backend",
 ]
 

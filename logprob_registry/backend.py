@@ -12,7 +12,7 @@ import torch
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
-from .dtypes import FLOAT_DTYPES, dtype_name
+from .dtypes import FLOAT_DTYPES
 from .opspec import FEATURES, OPS
 
 if TYPE_CHECKING:
@@ -28,6 +28,8 @@ CAPABILITIES: Mapping[str, str] = {
     "batch_invariant": "a row's result is bitwise independent of the other rows in the call",
     "deterministic": "the same inputs give bitwise the same results",
     "copies_logits": "it materialises a copy of the logits (the suite's no-copy checks do not apply)",
+    "group_invariant": "its shard_stats (and hidden_shard_stats) give each tile's statistics bitwise from that "
+                       "tile's own columns, so process_group= results do not depend on the group size",
 }
 
 Availability = Callable[["Environment", str], Optional[str]]
@@ -50,6 +52,10 @@ class Backend:
       importable module);
     - ``available``: optional ``f(environment, device_type) -> None or a sentence saying why not``;
     - ``features``: optional options of the op table it implements (see ``opspec.FEATURES``);
+    - ``min_vocab``: the automatic choice passes it over for calls whose vocabulary bucket lies
+      below this size (a backend whose fixed cost is not worth paying on small rows); an
+      explicit choice is unaffected. Buckets, not exact sizes, so that the choice never depends
+      on anything but the vocabulary's bucket (``registry.key.VOCAB_BUCKETS``);
     - capabilities (:data:`CAPABILITIES`): what it promises, each checked by the suite;
     - ``memory``, ``description``: words for ``explain`` and ``info``.
 
@@ -68,10 +74,12 @@ class Backend:
     autograd: bool = True
     available: Optional[Availability] = None
     features: frozenset = frozenset()
+    min_vocab: int = 0
     inplace_backward: bool = False
     batch_invariant: bool = False
     deterministic: bool = True
     copies_logits: bool = False
+    group_invariant: bool = False
     memory: str = ""
     description: str = ""
     triton: str = ""  # deprecated
@@ -120,6 +128,8 @@ class Backend:
                     f"backend {self.name!r}: requires entry {req!r} is not a requirement such as "
                     "'triton>=3.6' or 'torch_npu'"
                 ) from exc
+        if isinstance(self.min_vocab, bool) or not isinstance(self.min_vocab, int) or self.min_vocab < 0:
+            raise ValueError(f"backend {self.name!r}: min_vocab must be an int >= 0, got {self.min_vocab!r}")
         features = frozenset({self.features} if isinstance(self.features, str) else self.features)
         unknown = sorted(features - set(FEATURES))
         if unknown:
@@ -157,12 +167,10 @@ class Backend:
         return op in self.ops
 
     def __repr__(self) -> str:
-        dtypes = ",".join(sorted(dtype_name(d) for d in self.dtypes))
-        promises = [c for c in CAPABILITIES if c != "autograd" and getattr(self, c)]
-        extra = f" promises={promises}" if promises else ""
         origin = f" from {self.origin}" if self.origin else ""
-        return (f"<Backend {self.name!r} priority={self.priority} ops={sorted(self.ops)} "
-                f"devices={sorted(self.devices)} dtypes={dtypes}{extra}{origin}>")
+        features = f", features={len(self.features)}" if self.features else ""
+        return (f"<Backend {self.name!r} priority={self.priority}, {len(self.ops)} ops, "
+                f"devices {','.join(sorted(self.devices))}{features}{origin}>")
 
 
 def _deprecated(name: str, old: str, new: str) -> None:

@@ -63,14 +63,36 @@ class Variable:
 _declared: Dict[str, Variable] = {}
 _parsed: Dict[str, Tuple[str, Any, Optional[str]]] = {}  # name -> (text, value, error)
 _lock = threading.Lock()
+# The checks run on every call: they read os.environ's own mapping (one lookup per variable, no
+# decoding) and parse only when a variable's raw value changed since the last check.
+_environ = getattr(os.environ, "_data", None)
+_keys: Dict[str, Any] = {}
+_checked: Tuple[Any, List[str]] = ((), [])
+
+
+def _key(name: str) -> Any:
+    try:
+        return os.environ.encodekey(name)  # type: ignore[attr-defined]
+    except AttributeError:  # not CPython's os._Environ
+        return name
 
 
 def declare(variable: Variable) -> Variable:
     """Declare a variable (a plugin declares its own at import); redeclaring a name replaces it."""
+    global _checked
     with _lock:
         _declared[variable.name] = variable
+        _keys[variable.name] = _key(variable.name)
         _parsed.pop(variable.name, None)
+        _checked = ((), [])
     return variable
+
+
+def raw(name: str) -> Any:
+    """The raw value of environment variable ``name`` (None when unset), read cheaply."""
+    if _environ is not None:
+        return _environ.get(_keys.get(name) or _key(name))
+    return os.environ.get(name)
 
 
 def declared() -> List[Variable]:
@@ -108,8 +130,15 @@ def problems() -> List[str]:
 
 
 def check() -> None:
-    """Raise ConfigError naming every unusable variable (cheap when nothing changed)."""
-    errors = problems()
+    """Raise ConfigError naming every unusable variable (about a microsecond when nothing changed)."""
+    global _checked
+    if _environ is not None:
+        state = tuple(map(_environ.get, _keys.values()))
+        if state != _checked[0]:
+            _checked = (state, problems())
+        errors = _checked[1]
+    else:
+        errors = problems()
     if errors:
         raise ConfigError("; ".join(errors) + ". Fix or unset the variable.")
 

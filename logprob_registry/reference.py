@@ -2,16 +2,37 @@
 
 This is what the conformance suite compares every backend against; it is not a backend. The
 ``naive`` backend runs the same formulas in float32.
+
+The sampler's processing (``softcap``, ``top_k``, ``top_p``, ``min_p``, ``keep``; docs/sampler.md)
+is split in two, as an inference engine's sampler computes it and as a trainer needs it:
+
+* **which tokens are kept** is decided exactly as vLLM's V1 sampler decides it (v0.33.0,
+  ``vllm/v1/sample/ops/topk_topp_sampler.py`` ``apply_top_k_top_p_pytorch`` and
+  ``vllm/v1/sample/logits_processor/builtin.py`` ``MinPLogitsProcessor``): on the float32
+  processed logits, with float32 softmaxes, an ascending stable sort and a float32 cumulative sum
+  (:func:`truncation_boundary`), so that a replay keeps the tokens the engine kept;
+* **the log-probabilities over the kept tokens** are computed accurately, in ``dtype`` (float64
+  here), from the same processed logits.
+
+The softcap is computed in float64 and rounded once; with ``logits_dtype`` (the fused op's: an
+engine whose lm_head runs in bf16/fp16) it is computed as that engine computes it, three ops each
+rounded to ``logits_dtype`` (:func:`softcapped`), before the float32 processing.
+
+Every function of this module that decides the kept set is row-wise and is also what the
+``chunked`` backend runs on its chunks of rows, so that the two decide bit for bit alike.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from .dtypes import result_dtype
+
+NEG_INF = float("-inf")
 
 
 def _prepare(logits: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
@@ -20,12 +41,16 @@ def _prepare(logits: torch.Tensor, temperature: float, dtype: torch.dtype) -> to
 
 
 def _gather(logp: torch.Tensor, labels: torch.Tensor, ignore_index: Optional[int]) -> torch.Tensor:
+    """``logp[..., labels]``: labels ``(...)``, or ``(..., K)`` candidates (one more dim than ``(...)``)."""
     index = labels.long()
     ignored = None
     if ignore_index is not None:
         ignored = index == ignore_index
         index = index.masked_fill(ignored, 0)
-    out = logp.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    if index.dim() == logp.dim():
+        out = logp.gather(-1, index)
+    else:
+        out = logp.gather(-1, index.unsqueeze(-1)).squeeze(-1)
     return out if ignored is None else out.masked_fill(ignored, 0.0)
 
 
@@ -35,51 +60,423 @@ def _entropy(x: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * safe).sum(-1)
 
 
+# ------------------------------------------------------------------------ the sampler's processing
+def sampler_used(softcap=None, top_k=None, top_p=None, min_p=None, keep=None) -> bool:
+    """Whether any sampler keyword changes anything (validated values: None when disabled)."""
+    return softcap is not None or truncates(top_k, top_p, min_p, keep)
+
+
+def truncates(top_k=None, top_p=None, min_p=None, keep=None) -> bool:
+    """Whether the keywords can drop tokens (a label outside the kept set then gives -inf)."""
+    return top_k is not None or top_p is not None or min_p is not None or keep is not None
+
+
+def softcapped(logits: torch.Tensor, softcap: float, logits_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``softcap * tanh(logits / softcap)`` in float64 (differentiable): -inf stays -inf (a masked
+    token stays masked), NaN stays NaN.
+
+    Without ``logits_dtype``: computed in float64 and rounded once by the caller, so that every
+    backend gets the same correctly rounded float32 value wherever an element sits in a tensor
+    (torch's float32 tanh differs by an ulp between its vectorised body and its scalar tail).
+
+    With ``logits_dtype`` (bf16/fp16, the dtype of an engine's lm_head): the softcap as the engine
+    computes it on its head's logits (Hugging Face's Gemma-2, vLLM's ``LogitsProcessor``): three
+    elementwise ops, ``x / softcap``, ``tanh``, ``* softcap``, each rounded to ``logits_dtype``
+    (see :func:`engine_round`). Gradients go straight through each rounding; the softcap's own
+    derivative ``1 - tanh(u)**2`` is taken accurately, in float64, at the rounded ``u = x / softcap``.
+    """
+    x = logits.double()
+    if logits_dtype is None:
+        capped = torch.tanh(x / softcap) * softcap
+        return torch.where(torch.isneginf(x), x, capped)
+    cap = float32_value(softcap)  # the engine's opmath: a Python-number operand becomes a float32
+    # +-inf to the largest finite float32 (tanh saturates there: the engine's +inf gives softcap; -inf
+    # is put back below), so that no inf - inf of the straight-through rounding makes a NaN.
+    finite = x.clamp(-_F32_MAX, _F32_MAX)
+    u = engine_round(finite / cap, logits_dtype)
+    t = engine_round(torch.tanh(u), logits_dtype)
+    capped = engine_round(t * cap, logits_dtype)
+    return torch.where(torch.isneginf(x), x.detach(), capped)  # -inf: no gradient, as chunked's
+
+
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def float32_value(value: float) -> float:
+    """``value`` rounded to float32 (as a Python float): what a float32 kernel computes with."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+def engine_round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float64, one elementwise op's exact or float64 result) rounded as a bf16/fp16 kernel
+    rounds it: to float32 (its compute dtype), then to ``dtype``; back in ``x``'s dtype, with the
+    identity as gradient. For a division or a product the float64 step changes nothing (53 >= 2 x 24
+    + 2 bits: rounding twice is rounding once), so this is bitwise the engine's op; a float32 tanh
+    differs from the float64 one by an ulp or so of float32, 2**-16 of a bf16 ulp (on every bf16 and
+    fp16 value, tests/test_sampler.py finds torch's bf16/fp16 softcap bitwise equal to this)."""
+    rounded = x.detach().to(torch.float32).to(dtype).to(x.dtype)
+    return x + (rounded - x.detach())
+
+
+def processed_logits(logits: torch.Tensor, *, temperature: float = 1.0, softcap: Optional[float] = None,
+                     dtype: torch.dtype = torch.float64, logits_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``softcap(logits) / temperature`` in ``dtype`` (the softcap computed in float64, or with
+    ``logits_dtype`` as the engine's three rounded ops, see :func:`softcapped`, rounded to
+    ``dtype``; then the division in ``dtype``). In float32 these are, bit for bit, the logits the
+    truncation decision sees (vLLM casts to float32 and divides by a float32 temperature)."""
+    s = logits.to(dtype) if softcap is None else softcapped(logits, softcap, logits_dtype).to(dtype)
+    if temperature == 1.0:
+        return s
+    # A tensor divisor on the logits' device, as vLLM's per-row temperature: a true division on
+    # every device (CUDA multiplies by the reciprocal of a Python-number divisor).
+    return s / torch.tensor(temperature, dtype=dtype, device=s.device)
+
+
+def decision_logits(logits: torch.Tensor, temperature: float = 1.0, softcap: Optional[float] = None,
+                    logits_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The float32 processed logits that the truncation decision reads (no gradient)."""
+    with torch.no_grad():
+        return processed_logits(logits.detach(), temperature=temperature, softcap=softcap, dtype=torch.float32,
+                                logits_dtype=logits_dtype)
+
+
+def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
+def truncation_boundary(y: torch.Tensor, *, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                        min_p: Optional[float] = None, inplace: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Which tokens vLLM's sampler keeps after ``min_p``, ``top_k`` and ``top_p``, per row of the
+    float32 processed logits ``y`` ``(R, V)``, as a boundary ``(t, j)`` (float32 ``(R,)``, int64
+    ``(R,)``): a token of value ``v`` and id ``i`` is kept iff ``(v, i) >= (t, j)``
+    lexicographically (NaN is always kept, -inf never; see :func:`kept_from_boundary`).
+
+    The procedure is vLLM's, op for op, in float32:
+
+    1. ``min_p``: ``probs = softmax(y)``; drop ``probs < max(probs) * min_p`` (strict: a token at
+       the threshold, and every maximum, is kept);
+    2. ``top_k``: drop values strictly below the k-th largest (every value tied with it is kept);
+    3. ``top_p``, on the survivors: sort ascending (stable), ``softmax`` of the sorted row,
+       cumulative sum, drop positions with ``cumsum <= 1 - top_p``, never the last (the most
+       probable token). Among equal values the stable sort puts the lower id first, so the lower id
+       is dropped first when a tie straddles the boundary.
+
+    Each step drops a prefix of the ascending ``(value, id)`` order, so the kept tokens are always
+    a suffix of it, summed up by its first element ``(t, j)``. A row where nothing finite is kept
+    gives ``t = +inf`` (only NaN tokens are kept there). ``inplace=True`` lets it overwrite ``y``.
+    """
+    if not inplace:
+        y = y.clone()
+    rows, vocab = y.shape
+    if min_p is not None:
+        probs = torch.softmax(y, -1)
+        threshold = probs.amax(-1, keepdim=True) * _f32(min_p, y)
+        y.masked_fill_(probs < threshold, NEG_INF)
+        del probs, threshold
+    if top_k is not None and top_k < vocab:
+        kth = torch.topk(y, top_k, -1).values[:, -1:]
+        y.masked_fill_(y < kth, NEG_INF)
+        del kth
+    boundary = None
+    if top_p is not None and top_p < 1.0:
+        boundary = _top_p_boundary(y, top_p)
+    nan = torch.isnan(y)
+    kept = (y != NEG_INF) & ~nan
+    t = torch.where(kept, y, torch.full((), math.inf, device=y.device)).amin(-1)
+    first = kept & (y == t.unsqueeze(-1))
+    j = torch.where(first.any(-1), first.to(torch.uint8).argmax(-1), vocab)  # argmax: the first maximum
+    if boundary is not None:
+        # where top_p's boundary is a real token (not -inf, as in a row of NaN), it is the answer
+        real = torch.isfinite(boundary[0])
+        t, j = torch.where(real, boundary[0], t), torch.where(real, boundary[1], j)
+    return t, j
+
+
+def sorted_values(y: torch.Tensor) -> torch.Tensor:
+    """``torch.sort(y, dim=-1).values``. The sorted values of a row do not depend on the algorithm
+    (only the order of equal values' ids does, which is not asked here), so on the CPU numpy's sort,
+    several times faster than torch's, is used when numpy is installed."""
+    if y.device.type == "cpu" and not y.requires_grad:
+        try:
+            import numpy as np
+        except ImportError:
+            pass
+        else:
+            return torch.from_numpy(np.sort(y.numpy(), axis=-1))
+    return torch.sort(y, dim=-1).values
+
+
+def _top_p_boundary(y: torch.Tensor, top_p: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's top_p on rows ``y`` (min_p and top_k already applied as -inf): the first kept token
+    ``(t, j)`` in ascending ``(value, id)`` order, the order of vLLM's sort made stable.
+
+    vLLM sorts ascending, takes the softmax of the sorted row and its cumulative sum, and drops the
+    positions with ``cumsum <= 1 - p`` except the last. The sorted values (and so the softmax and the
+    sums, bit for bit) are those of any sort; the first kept position ``b`` holds value ``t``, and
+    the stable order puts equal values by ascending id, so ``j`` is the id of the ``(b - #{y < t})``-th
+    token equal to ``t``."""
+    values = sorted_values(y)
+    cumulative = torch.softmax(values, -1)
+    torch.cumsum(cumulative, -1, out=cumulative)
+    drop = cumulative <= _f32(1.0, y) - _f32(top_p, y)
+    del cumulative
+    drop[:, -1] = False
+    b = (~drop).to(torch.uint8).argmax(-1)  # the first kept position
+    del drop
+    t = values.gather(1, b.unsqueeze(-1))
+    rank = b - (values < t).sum(-1)  # copies of t dropped before it
+    del values
+    equal = y == t
+    j = equal.to(torch.uint8).argmax(-1)
+    tied = (rank > 0).nonzero().squeeze(-1)
+    if tied.numel():  # a tie straddles the boundary: the rank-th copy by ascending id
+        counts = equal[tied].to(torch.int32).cumsum(-1)
+        j[tied] = (equal[tied] & (counts == rank[tied].unsqueeze(-1) + 1)).to(torch.uint8).argmax(-1)
+    return t.squeeze(-1), j
+
+
+def kept_from_boundary(y: torch.Tensor, boundary: Optional[Tuple[torch.Tensor, torch.Tensor]],
+                       keep: Optional[torch.Tensor] = None, first_id: int = 0) -> torch.Tensor:
+    """The kept tokens of rows ``y`` (float32 processed logits, ``(R, V)``): ``(value, id) >=
+    (t, j)`` for ``boundary`` (None: no min_p/top_k/top_p), or NaN; never -inf (a token the
+    sampler gives no probability, so a label there gets -inf and a zero gradient); and within
+    ``keep`` (a bool mask ``(R, V)``) when given. ``first_id`` is the id of column 0."""
+    kept = y != NEG_INF
+    if boundary is not None:
+        t, j = (b.unsqueeze(-1) for b in boundary)
+        ids = torch.arange(first_id, first_id + y.shape[-1], device=y.device)
+        kept &= (y > t) | ((y == t) & (ids >= j)) | torch.isnan(y)
+    if keep is not None:
+        kept &= keep
+    return kept
+
+
+def keep_mask(keep: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``keep`` as a bool mask ``(..., V)``: a mask as is, ids ``(..., K)`` (-1: none) scattered."""
+    if keep.dtype == torch.bool:
+        return keep
+    ids = keep.long()
+    index = torch.where(ids >= 0, ids, vocab)  # -1 goes to a spare column, dropped below
+    mask = torch.zeros(ids.shape[:-1] + (vocab + 1,), dtype=torch.bool, device=keep.device)
+    mask.scatter_(-1, index, True)
+    return mask[..., :vocab]
+
+
+def kept_tokens(logits: torch.Tensor, *, temperature: float = 1.0, softcap: Optional[float] = None,
+                top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
+                keep: Optional[torch.Tensor] = None, logits_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The bool mask ``(..., V)`` of the tokens the sampler keeps (see :func:`truncation_boundary`)."""
+    top_k, top_p, min_p = _normalise(logits.shape[-1], top_k, top_p, min_p)
+    vocab = logits.shape[-1]
+    y = decision_logits(logits, temperature, softcap, logits_dtype).reshape(-1, vocab)
+    boundary = None
+    if top_k is not None or top_p is not None or min_p is not None:
+        boundary = truncation_boundary(y, top_k=top_k, top_p=top_p, min_p=min_p)
+    mask = None if keep is None else keep_mask(keep, vocab).reshape(-1, vocab)
+    return kept_from_boundary(y, boundary, mask).view(logits.shape)
+
+
+def _normalise(vocab: int, top_k, top_p, min_p):
+    """vLLM's "disabled" values (top_k 0, -1 or >= V; top_p 1; min_p 0) as None."""
+    top_k = None if top_k is None or top_k <= 0 or top_k >= vocab else int(top_k)
+    top_p = None if top_p is None or top_p >= 1.0 else float(top_p)
+    min_p = None if min_p is None or min_p <= 0.0 else float(min_p)
+    return top_k, top_p, min_p
+
+
+def _truncated(z: torch.Tensor, kept: torch.Tensor):
+    """``(logp, kept, outside)``: the log-softmax of ``z`` over the kept tokens (finite at kept
+    tokens; never NaN elsewhere, and no NaN in its gradient), and the value of a token outside the
+    kept set: -inf, or NaN in a row whose kept tokens hold a NaN."""
+    empty = ~kept.any(-1, keepdim=True)
+    # A row with nothing kept gets zeros (a finite, constant log-softmax) instead of -inf everywhere.
+    zm = z.masked_fill(~kept, NEG_INF).masked_fill(empty, 0.0)
+    logp = zm.log_softmax(-1)
+    with torch.no_grad():
+        nan_row = torch.isnan(zm).any(-1, keepdim=True)
+        outside = torch.where(nan_row, torch.full((), math.nan, dtype=z.dtype, device=z.device),
+                              torch.full((), NEG_INF, dtype=z.dtype, device=z.device))
+    return logp, outside
+
+
+def _truncated_entropy(logp: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    safe = logp.masked_fill(~kept, 0.0)
+    return -(torch.where(kept, safe.exp(), torch.zeros_like(safe)) * safe).sum(-1)
+
+
+def _truncated_gather(logp, kept, outside, labels, ignore_index):
+    value = torch.where(kept, logp, outside)
+    return _gather(value, labels, ignore_index)
+
+
+class _Processed:
+    """The processed distribution of one call: ``logp`` ``(..., V)`` and, with truncation, the
+    kept mask and the value outside it. ``logits_dtype``: the softcap as an engine whose lm_head
+    runs in that dtype computes it (:func:`softcapped`)."""
+
+    def __init__(self, logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype=None):
+        top_k, top_p, min_p = _normalise(logits.shape[-1], top_k, top_p, min_p)
+        self.z = processed_logits(logits, temperature=temperature, softcap=softcap, dtype=dtype,
+                                  logits_dtype=logits_dtype)
+        self.kept = None
+        if truncates(top_k, top_p, min_p, keep):
+            self.kept = kept_tokens(logits, temperature=temperature, softcap=softcap, top_k=top_k,
+                                    top_p=top_p, min_p=min_p, keep=keep, logits_dtype=logits_dtype)
+            self.logp, self.outside = _truncated(self.z, self.kept)
+        else:
+            self.logp = self.z.log_softmax(-1)
+
+    def full(self) -> torch.Tensor:
+        """Every token's processed log-probability, ``-inf`` outside the kept set."""
+        return self.logp if self.kept is None else torch.where(self.kept, self.logp, self.outside)
+
+    def gather(self, labels, ignore_index):
+        if self.kept is None:
+            return _gather(self.logp, labels, ignore_index)
+        return _truncated_gather(self.logp, self.kept, self.outside, labels, ignore_index)
+
+    def entropy(self):
+        if self.kept is None:
+            return _entropy(self.z, self.logp)
+        return _truncated_entropy(self.logp, self.kept)
+
+
+# ------------------------------------------------------------------------------------------- ops
 def logprobs(
     logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
     ignore_index: Optional[int] = None, dtype: torch.dtype = torch.float64,
+    softcap: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+    min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None, logits_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    return _gather(_prepare(logits, temperature, dtype).log_softmax(-1), labels, ignore_index)
+    """``log_softmax(processed logits)[..., labels]``; labels ``(...)`` or candidates ``(..., K)``.
+
+    ``logits_dtype`` (not a keyword of the public logits ops: ``logprobs_from_hidden`` passes its
+    own): the dtype of the engine's lm_head, in which the softcap then runs (:func:`softcapped`);
+    without a softcap it changes nothing here."""
+    if not sampler_used(softcap, top_k, top_p, min_p, keep):
+        return _gather(_prepare(logits, temperature, dtype).log_softmax(-1), labels, ignore_index)
+    d = _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype)
+    return d.gather(labels, ignore_index)
 
 
-def entropy(logits: torch.Tensor, *, temperature: float = 1.0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    x = _prepare(logits, temperature, dtype)
-    return _entropy(x, x.log_softmax(-1))
+def entropy(logits: torch.Tensor, *, temperature: float = 1.0, dtype: torch.dtype = torch.float64,
+            softcap: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+            min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None,
+            logits_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Entropy of the processed distribution (over the kept tokens); ``logits_dtype`` as in :func:`logprobs`."""
+    if not sampler_used(softcap, top_k, top_p, min_p, keep):
+        x = _prepare(logits, temperature, dtype)
+        return _entropy(x, x.log_softmax(-1))
+    return _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype).entropy()
 
 
 def logprobs_and_entropy(
     logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
     ignore_index: Optional[int] = None, dtype: torch.dtype = torch.float64,
+    softcap: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+    min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None, logits_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    x = _prepare(logits, temperature, dtype)
-    logp = x.log_softmax(-1)
-    return _gather(logp, labels, ignore_index), _entropy(x, logp)
+    if not sampler_used(softcap, top_k, top_p, min_p, keep):
+        x = _prepare(logits, temperature, dtype)
+        logp = x.log_softmax(-1)
+        return _gather(logp, labels, ignore_index), _entropy(x, logp)
+    d = _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype)
+    return d.gather(labels, ignore_index), d.entropy()
+
+
+def processed_logprobs(logits: torch.Tensor, *, temperature: float = 1.0, dtype: torch.dtype = torch.float64,
+                       softcap: Optional[float] = None, top_k: Optional[int] = None,
+                       top_p: Optional[float] = None, min_p: Optional[float] = None,
+                       keep: Optional[torch.Tensor] = None, logits_dtype: Optional[torch.dtype] = None,
+                       ) -> torch.Tensor:
+    """Every token's processed log-probability ``(..., V)`` (vLLM's ``processed_logprobs``):
+    ``-inf`` outside the kept set; ``logits_dtype`` as in :func:`logprobs`."""
+    return _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype).full()
+
+
+def topk_ids(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids of the ``k`` largest ``values`` along the last dim, largest first, ties by smaller
+    id (NaN counts as the largest, as in ``torch.topk``): ``torch.topk``, then, in the rows where a
+    tie at the k-th value has more copies than places, the smallest ids among them."""
+    values = values.detach()
+    lead, vocab = values.shape[:-1], values.shape[-1]
+    if values.numel() == 0:
+        return torch.zeros(lead + (k,), dtype=torch.int64, device=values.device)
+    inf = torch.full((), math.inf, dtype=values.dtype, device=values.device)
+    key = torch.where(torch.isnan(values), inf, values).reshape(-1, vocab)
+    top, ids = torch.topk(key, k, -1)
+    kth = top[:, -1:]
+    short = ((key == kth).sum(-1) > (top == kth).sum(-1)).nonzero().squeeze(-1)
+    if short.numel():  # torch.topk chose among the tied copies freely: take the smallest ids
+        rows = key[short]
+        above, tied = rows > kth[short], rows == kth[short]
+        room = k - above.sum(-1, keepdim=True)
+        chosen = above | (tied & (tied.cumsum(-1, dtype=torch.int32) <= room))
+        ids[short] = chosen.nonzero()[:, 1].view(-1, k)
+        top[short] = rows.gather(-1, ids[short])
+    ids, order = ids.sort(-1)  # ascending ids, then a stable sort by value: ties by smaller id
+    order = torch.sort(top.gather(-1, order), dim=-1, descending=True, stable=True).indices
+    return ids.gather(-1, order).view(lead + (k,))
+
+
+def topk_logprobs(logits: torch.Tensor, k: int, *, temperature: float = 1.0, dtype: torch.dtype = torch.float64,
+                  softcap: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                  min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None,
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(values, ids)``: the ``k`` largest processed log-probabilities, largest first, ties by
+    smaller id; ``-inf`` (at the smallest ids not yet listed) where fewer than ``k`` are kept."""
+    full = processed_logprobs(logits, temperature=temperature, dtype=dtype, softcap=softcap, top_k=top_k,
+                              top_p=top_p, min_p=min_p, keep=keep)
+    ids = topk_ids(full, k)
+    return full.gather(-1, ids), ids
 
 
 def hidden_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype = torch.float64
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype = torch.float64,
+    logits_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    return F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+    """``hidden @ weight.T + bias`` in ``dtype``; with ``logits_dtype`` each logit rounded to it
+    (its value; the gradient passes straight through the rounding). The softcap, if any, comes
+    after, in ``logits_dtype`` too (:func:`logprobs_from_hidden`)."""
+    logits = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+    if logits_dtype is not None:
+        logits = straight_through_round(logits, logits_dtype)
+    return logits
+
+
+def straight_through_round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to ``dtype`` (and back to ``x``'s dtype), with the identity as gradient."""
+    rounded = x.detach().to(dtype).to(x.dtype)
+    return x + (rounded - x.detach())
 
 
 def logprobs_from_hidden(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
     temperature: float = 1.0, ignore_index: Optional[int] = None, return_entropy: bool = False,
-    dtype: torch.dtype = torch.float64,
+    dtype: torch.dtype = torch.float64, softcap: Optional[float] = None, top_k: Optional[int] = None,
+    top_p: Optional[float] = None, min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None,
+    logits_dtype: Optional[torch.dtype] = None,
 ):
-    logits = hidden_logits(hidden, weight, bias, dtype)
+    """The logits ``hidden @ weight.T + bias`` (:func:`hidden_logits`), then :func:`logprobs` (and
+    :func:`entropy`). With ``logits_dtype``, as an engine whose lm_head runs in it: each logit
+    rounded to it, then the softcap in it (three ops, each rounded); the temperature, the truncation
+    and the log-softmax as without it (the decision on the float32 processed logits, as the engine's)."""
+    logits = hidden_logits(hidden, weight, bias, dtype, logits_dtype)
+    kw = dict(temperature=temperature, dtype=dtype, softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p,
+              keep=keep, logits_dtype=logits_dtype)
     if return_entropy:
-        return logprobs_and_entropy(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype)
-    return logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype)
+        return logprobs_and_entropy(logits, labels, ignore_index=ignore_index, **kw)
+    return logprobs(logits, labels, ignore_index=ignore_index, **kw)
 
 
 def outputs(logits: torch.Tensor, labels: Optional[torch.Tensor], *, temperature: float,
-            ignore_index: Optional[int], want_logprobs: bool, want_entropy: bool):
+            ignore_index: Optional[int], want_logprobs: bool, want_entropy: bool, **sampler):
     """What the op wanting ``want_logprobs``/``want_entropy`` returns, by these formulas in the
     ops' result dtype: for backends' degenerate inputs (nothing to chunk or compile for)."""
     dtype = result_dtype(logits.dtype)
     if want_logprobs and want_entropy:
-        return logprobs_and_entropy(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype)
+        return logprobs_and_entropy(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype,
+                                    **sampler)
     if want_logprobs:
-        return logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype)
-    return entropy(logits, temperature=temperature, dtype=dtype)
+        return logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype, **sampler)
+    return entropy(logits, temperature=temperature, dtype=dtype, **sampler)

@@ -42,15 +42,27 @@ class Explanation:
         head += f"using {self.chosen}" if self.chosen else "no eligible backend"
         if self.forced:
             head += f" (forced: {self.forced})"
+        timed = any(c.measured is not None for c in self.candidates)
         rows = [
-            (c.status, c.name, str(c.priority), c.origin,
-             c.broken and f"failed at run time: {c.broken}" or c.reason or "")
+            (c.status, c.name, str(c.priority))
+            + ((_ms(c.measured),) if timed else ())
+            + (c.origin, c.why)
             for c in self.candidates
         ]
-        lines = [head, table(("", "backend", "priority", "from", "why not"), rows)]
+        header = ("", "backend", "priority") + (("measured",) if timed else ()) + ("from", "why not")
+        lines = [head, table(header, rows)]
+        if timed:
+            lines.append("measured: seconds per call in the tuning ranking (logprob-registry tune); "
+                         "it orders the backends it measured, priority the rest")
         for f in self.failures:
             lines.append(f"plugin {f.plugin} ({f.distribution}) not loaded: {f.error}")
         return "\n".join(lines)
+
+
+def _ms(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.3g} us"
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -104,6 +116,7 @@ def info(registry: "Registry", dtype: torch.dtype = torch.float32, requires_grad
     lines += ["  " + line for line in table(("variable", "value", "what it does"), rows).splitlines()]
     for problem in config.problems():
         lines.append(f"  INVALID: {problem}; every call raises until it is fixed or unset")
+    lines += ["", registry.tuning_status()]
     forced, source = registry.forced()
     if forced:
         lines += ["", f"explicit choice in force: {forced} ({source})"]

@@ -114,9 +114,16 @@ def _aliases(out: torch.Tensor, tensors: Sequence[Optional[torch.Tensor]]) -> bo
     return any(t is not None and t.untyped_storage().data_ptr() == ptr for t in tensors)
 
 
+def _topk_outputs(inputs, options):
+    """``topk_logprobs``: values (..., k) in the result dtype and their int64 ids."""
+    logits = inputs[0]
+    shape = tuple(logits.shape[:-1]) + (options["k"],)
+    return logits.new_empty(shape, dtype=result_dtype(logits.dtype)), logits.new_empty(shape, dtype=torch.int64)
+
+
 #: Ops whose outputs are not "one tensor per output, of the labels' shape (or the dtype input's
 #: leading shape) and the result dtype": op -> function(inputs, options) returning fake outputs.
-FAKE_OUTPUTS: Dict[str, Any] = {}
+FAKE_OUTPUTS: Dict[str, Any] = {"topk_logprobs": _topk_outputs}
 
 
 @_call.register_fake

@@ -21,7 +21,7 @@ import torch
 import logprob_registry as lr
 from logprob_registry import reference as ref
 from logprob_registry.config import ConfigError
-from logprob_registry.registry import Key
+from logprob_registry.registry import Key, vocab_bucket
 
 _served = threading.local()
 
@@ -46,8 +46,9 @@ def served():
     return name
 
 
-def explained(op, dtype, grad, features=frozenset()):
-    return lr.get_registry().explain(Key(op, "cpu", dtype, grad, frozenset(features))).chosen
+def explained(op, dtype, grad, vocab, features=frozenset()):
+    """What explain names for the kind of call (as ops.py builds its key: vocabulary bucket, features)."""
+    return lr.get_registry().explain(Key(op, "cpu", dtype, grad, frozenset(features), vocab_bucket(vocab))).chosen
 
 
 def close(got, want, what, tol=1e-4):
@@ -87,7 +88,7 @@ def first_calls(mode: str) -> dict:
         t.start()
     for t in threads:
         t.join()
-    return {"results": results, "explained": explained("logprobs", torch.float32, True),
+    return {"results": results, "explained": explained("logprobs", torch.float32, True, 300),
             "broken": {str(k): v for k, v in lr.get_registry().broken().items()}}
 
 
@@ -159,7 +160,10 @@ class FaultPlugin:
                             description="correct, but out of memory for some shapes: never marked broken"))
 
 
-def _data(seed, rows=6, vocab=120):
+VOCAB = 300  # above the smallest vocabularies, where naive is the automatic choice (min_vocab)
+
+
+def _data(seed, rows=6, vocab=VOCAB):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(rows, vocab, generator=g) * 3, torch.randint(0, vocab, (rows,), generator=g)
 
@@ -176,7 +180,7 @@ def _valid_logprobs_grad(seed):
     want.sum().backward()
     close(out, want, "logprobs")
     close(x.grad, x64.grad, "its gradient")
-    return name, explained("logprobs", torch.float32, True)
+    return name, explained("logprobs", torch.float32, True, VOCAB)
 
 
 def _valid_entropy(seed):
@@ -184,7 +188,7 @@ def _valid_entropy(seed):
     out = lr.entropy_from_logits(x)
     name = served()
     close(out, ref.entropy(x), "entropy", tol=1e-3)
-    return name, explained("entropy", torch.float32, False)
+    return name, explained("entropy", torch.float32, False, VOCAB)
 
 
 def _valid_both(seed):
@@ -194,13 +198,13 @@ def _valid_both(seed):
     want = ref.logprobs_and_entropy(x, y)
     close(lp, want[0], "logprobs")
     close(ent, want[1], "entropy", tol=1e-3)
-    return name, explained("logprobs_and_entropy", torch.float32, False)
+    return name, explained("logprobs_and_entropy", torch.float32, False, VOCAB)
 
 
 def _valid_hidden(seed):
     g = torch.Generator().manual_seed(seed)
-    h0, w0 = torch.randn(5, 16, generator=g), torch.randn(90, 16, generator=g) * 0.3
-    y = torch.randint(0, 90, (5,), generator=g)
+    h0, w0 = torch.randn(5, 16, generator=g), torch.randn(VOCAB, 16, generator=g) * 0.3
+    y = torch.randint(0, VOCAB, (5,), generator=g)
     h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
     out = lr.logprobs_from_hidden(h, w, y)
     name = served()
@@ -211,7 +215,7 @@ def _valid_hidden(seed):
     close(out, want, "hidden logprobs")
     close(h.grad, h64.grad, "hidden's gradient")
     close(w.grad, w64.grad, "weight's gradient")
-    return name, explained("logprobs_from_hidden", torch.float32, True)
+    return name, explained("logprobs_from_hidden", torch.float32, True, VOCAB)
 
 
 def _valid_bf16(seed):
@@ -220,7 +224,7 @@ def _valid_bf16(seed):
     out = lr.logprobs_from_logits(x, y)
     name = served()
     close(out, ref.logprobs(x, y), "bf16 logprobs")
-    return name, explained("logprobs", torch.bfloat16, False)
+    return name, explained("logprobs", torch.bfloat16, False, VOCAB)
 
 
 def _valid_use_backend(seed):
@@ -228,7 +232,7 @@ def _valid_use_backend(seed):
     with lr.use_backend("naive"):  # this thread only: the others keep the automatic choice
         out = lr.logprobs_from_logits(x, y)
         name = served()
-        chosen = explained("logprobs", torch.float32, False)
+        chosen = explained("logprobs", torch.float32, False, VOCAB)
     close(out, ref.logprobs(x, y), "logprobs under use_backend")
     return name, chosen
 
@@ -240,7 +244,7 @@ def _valid_functorch(seed):
     x64 = x.double().requires_grad_(True)
     ref.logprobs(x64, y, temperature=0.7).sum().backward()
     close(got, x64.grad, "torch.func.grad")
-    return name, explained("logprobs", torch.float32, True, {"functorch"})
+    return name, explained("logprobs", torch.float32, True, VOCAB, {"functorch"})
 
 
 VALID = [_valid_logprobs_grad, _valid_entropy, _valid_both, _valid_hidden, _valid_bf16, _valid_use_backend,

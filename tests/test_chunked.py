@@ -110,7 +110,8 @@ def _chunked_grads(logits, labels, weights, op, inplace=False, **kw):
 def test_registered_with_its_promises():
     backend = lr.get_registry().get("chunked")
     assert backend.priority == 10
-    assert set(backend.ops) == {"logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden"}
+    assert set(backend.ops) == {"logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden", "topk_logprobs",
+                                "shard_stats", "shard_grad", "hidden_shard_stats", "hidden_shard_grad"}
     assert backend.devices == {"cpu", "cuda", "npu", "xpu", "mps", "hpu"}
     assert backend.inplace_backward and backend.batch_invariant and backend.deterministic
     eligible = lr.explain("logprobs", device="cpu", dtype=torch.bfloat16, requires_grad=True).eligible

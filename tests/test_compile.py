@@ -110,3 +110,29 @@ def test_eager_calls_while_another_thread_compiles():
         x64 = x.double().requires_grad_(True)
         ref.logprobs(x64, y.clamp(min=0)).sum().backward()
         torch.testing.assert_close(got, x64.grad.float(), rtol=1e-5, atol=1e-5)
+
+
+def sampler_step(x, y, cand):
+    """The sampler's keywords, candidates and topk_logprobs through the same custom op."""
+    lp = lr.logprobs_from_logits(x, y, temperature=0.9, softcap=30.0, top_k=50, top_p=0.9, ignore_index=-100)
+    ent = lr.entropy_from_logits(x, min_p=0.05)
+    values, ids = lr.topk_logprobs(x, 5, temperature=0.8)
+    both = lr.logprobs_from_logits(x, cand)
+    finite = lambda t: torch.where(torch.isinf(t), torch.zeros_like(t), t)  # noqa: E731
+    return finite(lp).sum() + ent.sum() + finite(values).sum() + 0.01 * ids.sum() + finite(both).sum()
+
+
+def test_fullgraph_compile_with_the_samplers_keywords_candidates_and_topk():
+    x, y, _ = _inputs(6, seed=3)
+    cand = torch.randint(0, 300, (2, 6, 4), generator=torch.Generator().manual_seed(4))
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(sampler_step, fullgraph=True)
+    for fn in (sampler_step, compiled):
+        leaf = x.clone().requires_grad_(True)
+        out = fn(leaf, y, cand)
+        (grad,) = torch.autograd.grad(out, leaf)
+        if fn is sampler_step:
+            want = (out.detach(), grad)
+    torch.testing.assert_close(out.detach(), want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, want[1], rtol=1e-5, atol=1e-5)
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {}

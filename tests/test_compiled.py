@@ -24,7 +24,7 @@ from logprob_registry.kernels import compiled
 from logprob_registry.kernels.compiled import _kernels, _ops
 from logprob_registry.registry import Key, Registry
 
-V = 37
+V = 300  # in the vocabulary buckets where compiled is the automatic choice (min_vocab=257)
 NO_COMPILER = compiled.available(get_environment(), "cpu")
 needs_compiler = pytest.mark.skipif(NO_COMPILER is not None, reason=f"needs a C++ compiler: {NO_COMPILER}")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,7 +86,8 @@ def test_registered_with_priority_20_and_in_place_backward():
     # promised, so the conformance suite checks each (batch invariance, no copy of the logits)
     assert backend.inplace_backward and backend.deterministic and backend.batch_invariant
     assert not backend.copies_logits
-    assert set(backend.ops) == {"logprobs", "entropy", "logprobs_and_entropy"}
+    assert set(backend.ops) == {"logprobs", "entropy", "logprobs_and_entropy",
+                                "shard_stats", "shard_grad", "hidden_shard_stats", "hidden_shard_grad"}
 
 
 def test_chosen_automatically_on_cpu_where_a_compiler_is_found():
@@ -313,7 +314,7 @@ def test_broken_compiler_at_run_time_falls_back_with_one_warning(tmp_path):
         "import warnings, torch, logprob_registry as lr\n"
         "import torch._inductor.config as config\n"
         "config.cpp.cxx = ('/bin/false',)\n"
-        "x = torch.randn(4, 11); y = torch.randint(0, 11, (4,))\n"
+        "x = torch.randn(4, 300); y = torch.randint(0, 300, (4,))\n"
         "with warnings.catch_warnings(record=True) as record:\n"
         "    warnings.simplefilter('always')\n"
         "    out = lr.logprobs_from_logits(x, y)\n"

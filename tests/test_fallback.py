@@ -43,8 +43,9 @@ def inputs():
 
 def test_automatic_choice_falls_back_with_one_warning(flaky):
     logits, labels = inputs()
-    fallback = [c.name for c in lr.explain("logprobs", device="cpu").candidates if c.eligible][1]  # next after test-flaky
-    assert lr.select("logprobs", device="cpu").name == "test-flaky"
+    # the next after test-flaky for this call's vocabulary (11: naive's bucket, see min_vocab)
+    fallback = [c.name for c in lr.explain("logprobs", device="cpu", shape=logits.shape).candidates if c.eligible][1]
+    assert lr.select("logprobs", device="cpu", shape=logits.shape).name == "test-flaky"
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         out = lr.logprobs_from_logits(logits, labels)
@@ -52,7 +53,7 @@ def test_automatic_choice_falls_back_with_one_warning(flaky):
     assert len(record) == 1
     assert record[0].filename == __file__, "the warning points at the caller's line"
     message = str(record[0].message)
-    assert "backend 'test-flaky' failed for logprobs on cpu float32 tensors (RuntimeError: kernel exploded)" in message
+    assert "backend 'test-flaky' failed for logprobs on cpu float32 tensors, vocabularies of 1 to 256 (RuntimeError: kernel exploded)" in message
     assert f"using {fallback!r} instead" in message
     expected = torch.log_softmax(logits, -1).gather(-1, labels[:, None])[:, 0]
     torch.testing.assert_close(out, expected)
@@ -61,7 +62,7 @@ def test_automatic_choice_falls_back_with_one_warning(flaky):
         warnings.simplefilter("error", lr.BackendFallbackWarning)
         lr.logprobs_from_logits(logits, labels)
     assert calls == ["test-flaky"]
-    report = lr.explain("logprobs", device="cpu")
+    report = lr.explain("logprobs", device="cpu", shape=logits.shape)  # the kind of call that failed
     assert report["test-flaky"].status == "broken"
     assert "failed at run time: RuntimeError: kernel exploded" in str(report)
     assert report.chosen == fallback
@@ -71,7 +72,7 @@ def test_automatic_choice_falls_back_with_one_warning(flaky):
     assert calls == ["test-flaky", "test-flaky"]
     # reset() forgets the marks: the backend is tried again.
     flaky.reset()
-    assert lr.explain("logprobs", device="cpu")["test-flaky"].status == "chosen"
+    assert lr.explain("logprobs", device="cpu", shape=logits.shape)["test-flaky"].status == "chosen"
 
 
 def test_the_last_eligible_backend_is_never_marked_broken():

@@ -156,5 +156,5 @@ def test_deprecated_keywords_still_work_with_a_warning():
 def test_backend_repr_is_one_short_line():
     text = repr(lr.get_registry().get("chunked"))
     assert "\n" not in text and len(text) < 300
-    assert text.startswith("<Backend 'chunked' priority=10 ops=[")
+    assert text.startswith("<Backend 'chunked' priority=10, ")
     assert "from builtin:chunked" in text

@@ -172,3 +172,50 @@ def test_meta_tensors_and_huge_ignore_index_get_sentences():
         lr.logprobs_from_logits(torch.empty(2, 5, device="meta"), torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match=r"ignore_index=1180591620717411303424 does not fit in int64"):
         lr.logprobs_from_logits(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), ignore_index=2**70)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(softcap=0.0), ValueError, r"softcap must be finite and > 0 \(or None for no softcap\), got 0.0"),
+    (dict(softcap="30"), TypeError, "softcap must be a positive number or None, got str"),
+    (dict(top_k=-2), ValueError, r"top_k must be >= 1, or 0 or -1 \(disabled, as in vLLM\), got -2"),
+    (dict(top_k=2.5), TypeError, "top_k must be an int or None, got float"),
+    (dict(top_k=torch.tensor([1, 2])), TypeError, "top_k must be an int or None, got Tensor"),
+    (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\] \(1 keeps every token\), got 0.0"),
+    (dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\]"),
+    (dict(min_p=-0.1), ValueError, r"min_p must be in \[0, 1\] \(0 keeps every token\), got -0.1"),
+    (dict(keep=torch.ones(2, 3, 4, dtype=torch.bool)), ValueError,
+     r"keep is a bool mask of shape \(2, 3, 4\), but the logits have shape \(2, 3, 5\)"),
+    (dict(keep=torch.zeros(2, 3, 2)), TypeError, "keep must be a bool mask or int64/int32 ids, got torch.float32"),
+    (dict(keep=torch.tensor([[[0, 7]] * 3] * 2)), ValueError,
+     r"keep id 7 at position \(0, 0, 1\) is out of range for a vocabulary of 5 \(ids are 0..4, or -1 for none\)"),
+    (dict(keep=torch.zeros(2, 2, dtype=torch.long)), ValueError, r"ids must have shape \(2, 3, 'K'\)"),
+])
+def test_sampler_keywords(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        lr.logprobs_from_logits(logits, labels, **kwargs)
+    with pytest.raises(error, match=message):
+        lr.entropy_from_logits(logits, **kwargs)
+
+
+def test_candidates_and_topk_arguments():
+    with pytest.raises(ValueError, match=r"expected labels of shape \(2, 3\) or \(2, 3, 'K'\) for K candidates"):
+        lr.logprobs_from_logits(logits, labels[:, :, None, None])
+    bad = labels[..., None].repeat(1, 1, 4)
+    bad[1, 0, 3] = 9
+    with pytest.raises(ValueError, match=r"label 9 at position \(1, 0, 3\) is out of range"):
+        lr.logprobs_from_logits(logits, bad)
+    with pytest.raises(ValueError, match="k must be between 1 and the vocabulary size 5, got 6"):
+        lr.topk_logprobs(logits, 6)
+    with pytest.raises(TypeError, match="k must be an int, got float"):
+        lr.topk_logprobs(logits, 2.0)
+    with pytest.raises(ValueError, match="logits_dtype must be torch.bfloat16, torch.float16 or None"):
+        lr.logprobs_from_hidden(torch.randn(2, 4), torch.randn(5, 4), labels[0, :2], logits_dtype=torch.int8)
+
+
+def test_keywords_that_keep_every_token_change_nothing_and_need_nothing():
+    """top_k of 0, -1 or >= V, top_p = 1 and min_p = 0 keep every token: such a call is an ordinary
+    one (same key, same backend, same bits)."""
+    ran.clear()
+    plain = lr.logprobs_from_logits(logits, labels, backend="naive")
+    for kw in (dict(top_k=0), dict(top_k=-1), dict(top_k=5), dict(top_p=1.0), dict(min_p=0.0)):
+        assert torch.equal(lr.logprobs_from_logits(logits, labels, backend="naive", **kw), plain), kw

@@ -181,8 +181,11 @@ def methods(s: Setting, only: Sequence[str]) -> Tuple[List[dict], object]:
 
     from .workload import BASELINE, baseline_description
 
-    expl = lr.explain(s.op, device=s.device_type, dtype=s.torch_dtype, requires_grad=s.backward)
-    names = expl.eligible
+    # the call's shape: its vocabulary bucket can matter (min_vocab, a tuning ranking); every backend
+    # that can run it is measured, also one the automatic choice passes over for this size
+    expl = lr.explain(s.op, device=s.device_type, dtype=s.torch_dtype, requires_grad=s.backward,
+                      shape=s.logits_shape)
+    names = [c.name for c in expl.candidates if c.reason is None and c.broken is None]
     for name in only:
         if name not in names:
             try:

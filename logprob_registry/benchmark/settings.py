@@ -42,8 +42,11 @@ DEFAULT_HIDDEN_SIZE = 2048
 
 
 def bench_ops() -> Tuple[str, ...]:
-    """The ops of the op table whose every input the bench can make."""
-    return tuple(name for name, spec in OPS.items() if set(spec.inputs) <= set(INPUTS))
+    """The public ops of the op table that give log-probabilities and/or entropies and whose every
+    input the bench can make (topk_logprobs, which returns ids, has no baseline to compare with)."""
+    return tuple(name for name, spec in OPS.items()
+                 if spec.function is not None and set(spec.outputs) <= {"logprobs", "entropy"}
+                 and set(spec.inputs) <= set(INPUTS))
 
 
 def uses_hidden_size(op: str) -> bool:

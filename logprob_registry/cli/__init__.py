@@ -17,6 +17,8 @@ COMMANDS = {
              "what was detected, which plugins loaded, which backend runs each op (default)"),
     "check": ("logprob_registry.cli.check", "run the conformance suite against backends; non-zero exit if one fails"),
     "bench": ("logprob_registry.cli.bench", "time and measure every eligible backend on this machine"),
+    "tune": ("logprob_registry.cli.tune", "measure the eligible backends and write the ranking selection follows"),
+    "parity": ("logprob_registry.cli.parity", "generate()'s sampled logprobs against the registry's replay"),
 }
 
 

@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON ('-': to stdout, table to stderr)")
     parser.add_argument("--plot", metavar="FILE.png", help="write a bar chart of time and memory (needs matplotlib; "
                                                            "any extension matplotlib writes: .png, .svg, .pdf, ...)")
+    parser.add_argument("--process-group", type=int, metavar="N", help="the process_group= path over N local gloo "
+                        "processes, beside gathering the logits to one rank (logprob_registry.benchmark.distributed)")
     parser.add_argument("--timeout", type=float, default=1800, metavar="SECONDS",
                         help="give up on a method after this long per measurement (default 1800)")
 
@@ -100,6 +102,10 @@ def _fail(message: object) -> int:
 def run(args: argparse.Namespace) -> int:
     from ..benchmark import BenchError, Session, render
 
+    if args.process_group is not None:
+        from ..benchmark.distributed import run_cli
+
+        return run_cli(args)
     session: Optional[Session] = None
     try:
         opts = options(args)

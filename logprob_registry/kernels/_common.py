@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
@@ -46,3 +47,21 @@ def second_order_gradient(outputs: Callable[[], Sequence[Optional[torch.Tensor]]
         found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
                                          create_graph=True, allow_unused=True) if pairs and wanted else ())
     return tuple(next(found) if t is not None and t.requires_grad else None for t in inputs)
+
+
+def first_order_only(what: str) -> Callable[[Callable], Callable]:
+    """Decorate an autograd Function's backward (above ``once_differentiable``, which runs it under
+    ``no_grad`` and so cannot tell) to raise under ``create_graph=True``, where the gradient would
+    otherwise silently lack its second-order term: ``what`` names the path, for the message."""
+
+    def decorate(backward: Callable) -> Callable:
+        @functools.wraps(backward)
+        def run(ctx, *grads):
+            if torch.is_grad_enabled():
+                raise RuntimeError(f"{what} does not support double backward (create_graph=True): its gradient "
+                                   "is not differentiable again. Use backend='naive' for second-order gradients.")
+            return backward(ctx, *grads)
+
+        return run
+
+    return decorate

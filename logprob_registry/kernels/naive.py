@@ -2,7 +2,9 @@
 torch: add one by registering a copy of it for your device type), autograd by torch.
 
 The portable fallback of last resort: it materialises a float32 copy of the logits (and its
-log-softmax), so it has the lowest priority.
+log-softmax), so it has the lowest priority. It implements every feature of the op table (the
+sampler's processing, candidate labels, ``topk_logprobs``, ``logits_dtype``) as
+:mod:`logprob_registry.reference` defines it, in float32: the reference implementation of them.
 """
 
 from __future__ import annotations
@@ -11,38 +13,122 @@ import torch
 
 import logprob_registry as lr
 from logprob_registry import reference as ref
+from logprob_registry.distributed.tiles import label_columns, tiled
 from logprob_registry.dtypes import FLOAT_DTYPES, result_dtype
 
 from ._common import pad_rows
 
 
-def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward, **sampler):
     return ref.logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index,
-                        dtype=result_dtype(logits.dtype))
+                        dtype=result_dtype(logits.dtype), **sampler)
 
 
-def entropy(logits, *, temperature):
-    return ref.entropy(logits, temperature=temperature, dtype=result_dtype(logits.dtype))
+def entropy(logits, *, temperature, **sampler):
+    return ref.entropy(logits, temperature=temperature, dtype=result_dtype(logits.dtype), **sampler)
 
 
-def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward):
+def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward, **sampler):
     return ref.logprobs_and_entropy(
-        logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=result_dtype(logits.dtype)
+        logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=result_dtype(logits.dtype),
+        **sampler,
     )
 
 
-def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy):
-    lead, n = labels.shape, labels.numel()
+def topk_logprobs(logits, *, k, temperature, **sampler):
+    return ref.topk_logprobs(logits, k, temperature=temperature, dtype=result_dtype(logits.dtype), **sampler)
+
+
+def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy,
+                         keep=None, **sampler):
+    lead = hidden.shape[:-1]
+    n = lead.numel()
+    candidates = labels.dim() == hidden.dim()
     # a few rows are padded so that the matmul takes the path it takes for a batch (batch invariance)
     flat = pad_rows(hidden.reshape(n, hidden.shape[-1]))
-    padded_labels = torch.cat([labels.reshape(-1), labels.new_zeros(flat.shape[0] - n)])
+    pad = flat.shape[0] - n
+    flat_labels = labels.reshape((n, labels.shape[-1]) if candidates else (n,))
+    padded_labels = torch.cat([flat_labels, flat_labels.new_zeros((pad,) + flat_labels.shape[1:])])
+    if keep is not None:  # padded rows keep every token
+        flat_keep = ref.keep_mask(keep, weight.shape[0]).reshape(n, weight.shape[0])
+        keep = torch.cat([flat_keep, flat_keep.new_ones(pad, weight.shape[0])])
     out = ref.logprobs_from_hidden(
         flat, weight, padded_labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
-        return_entropy=return_entropy, dtype=result_dtype(hidden.dtype),
+        return_entropy=return_entropy, dtype=result_dtype(hidden.dtype), keep=keep, **sampler,
     )
+    shape = labels.shape
     if return_entropy:
-        return out[0][:n].view(lead), out[1][:n].view(lead)
-    return out[:n].view(lead)
+        return out[0][:n].reshape(shape), out[1][:n].reshape(lead)
+    return out[:n].reshape(shape)
+
+
+# ------------------------------------------------- vocabulary-parallel ops (the textbook formulas)
+# Per tile: max, then plain sums. Correct, but a plain sum's order is the kernel's choice (on CUDA it
+# depends on the shape), so naive does not declare group_invariant.
+def _stats(z, labels, vocab_start, tile, ignore_index, with_entropy, lead):
+    """The shard_stats outputs of z (N, V_local) in the result dtype."""
+    z3 = tiled(z, tile)
+    m = z3.amax(-1)
+    d = z3 - m.masked_fill(m == float("-inf"), 0.0).unsqueeze(-1)
+    e = d.exp()
+    nt = z3.shape[1]
+    s = e.sum(-1).view(*lead, nt)
+    t = torch.where(e == 0, 0.0, e * d).sum(-1).view(*lead, nt) if with_entropy else None
+    picked = None
+    if labels is not None:
+        owned, column = label_columns(labels, vocab_start, z.shape[1], ignore_index)
+        picked = torch.where(owned, z.gather(1, column.unsqueeze(1)).squeeze(1), 0.0).view(lead)
+    return m.view(*lead, nt), s, t, picked
+
+
+def _dz(z, labels, lse, entropy, grad_logprobs, grad_entropy, vocab_start, temperature):
+    """d(loss)/d(logits) for z = logits / T of shape (N, V_local), in z's dtype."""
+    logp = z - lse.reshape(-1, 1)
+    p = logp.exp()
+    grad = torch.zeros_like(z)
+    if grad_logprobs is not None:
+        g = grad_logprobs.reshape(-1, 1)
+        grad -= p * g
+        owned, column = label_columns(labels, vocab_start, z.shape[1], None)
+        rows = owned.nonzero().squeeze(1)  # only there: adding 0 elsewhere would turn -0.0 into +0.0
+        grad.index_put_((rows, column[rows]), g[rows, 0], accumulate=True)
+    if grad_entropy is not None:
+        grad -= grad_entropy.reshape(-1, 1) * torch.where(torch.isneginf(z), 0.0, p * (logp + entropy.reshape(-1, 1)))
+    return grad / temperature
+
+
+def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy):
+    z = logits.reshape(-1, logits.shape[-1]).to(result_dtype(logits.dtype)) / temperature
+    return _stats(z, labels, vocab_start, tile, ignore_index, with_entropy, logits.shape[:-1])
+
+
+def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature,
+               inplace_backward):
+    z = logits.reshape(-1, logits.shape[-1]).to(lse.dtype) / temperature
+    grad = _dz(z, labels, lse, entropy, grad_logprobs, grad_entropy, vocab_start, temperature)
+    return grad.to(logits.dtype).view(logits.shape)  # out of place even with inplace_backward
+
+
+def _hidden_logits(hidden, weight, bias, temperature):
+    acc = result_dtype(hidden.dtype)
+    h = hidden.reshape(-1, hidden.shape[-1]).to(acc)
+    return h, torch.nn.functional.linear(h, weight.to(acc), None if bias is None else bias.to(acc)) / temperature
+
+
+def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy):
+    _, z = _hidden_logits(hidden, weight, bias, temperature)
+    return _stats(z, labels, vocab_start, tile, ignore_index, with_entropy, hidden.shape[:-1])
+
+
+def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start,
+                      tile, temperature, needs_grad):
+    h, z = _hidden_logits(hidden, weight, bias, temperature)
+    dz = _dz(z, labels, lse, entropy, grad_logprobs, grad_entropy, vocab_start, temperature)
+    need_h, need_w, need_b = needs_grad
+    gh = (dz @ weight.to(dz.dtype)).view(hidden.shape) if need_h else None
+    gw = (dz.t() @ h).to(weight.dtype) if need_w else None
+    gb = dz.sum(0).to(bias.dtype) if need_b and bias is not None else None
+    return gh, gw, gb
 
 
 @lr.hookimpl
@@ -54,6 +140,11 @@ def register_backends(register):
             "entropy": entropy,
             "logprobs_and_entropy": logprobs_and_entropy,
             "logprobs_from_hidden": logprobs_from_hidden,
+            "topk_logprobs": topk_logprobs,
+            "shard_stats": shard_stats,
+            "shard_grad": shard_grad,
+            "hidden_shard_stats": hidden_shard_stats,
+            "hidden_shard_grad": hidden_shard_grad,
         },
         devices={"cpu", "cuda", "npu", "xpu", "mps", "hpu"},
         dtypes=set(FLOAT_DTYPES),
@@ -61,6 +152,7 @@ def register_backends(register):
         autograd=True,
         batch_invariant=True,
         copies_logits=True,
-        features={"functorch"},
-        description="log_softmax + gather in float32; materialises the logits in float32",
+        features={"functorch", "candidates", "softcap", "top_k", "top_p", "min_p", "keep", "logits_dtype"},
+        description="log_softmax + gather in float32; materialises the logits in float32; every feature, "
+                    "as the reference defines it",
     ))

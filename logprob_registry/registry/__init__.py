@@ -14,13 +14,14 @@ from ..backend import Backend
 from ..environment import Environment, get_environment
 from .dispatch import ENV_VAR, Dispatcher, _forced, caller_fault
 from .errors import BackendFallbackWarning, NoEligibleBackendError
-from .key import Key
+from .key import VOCAB_BUCKETS, Key, vocab_bucket
 from .plugins import BUILTIN_PLUGINS, ENTRY_POINT_GROUP, PluginFailure, PluginSet
 from .ranking import Verdict, rank, why_not
 
 __all__ = [
     "BUILTIN_PLUGINS", "ENTRY_POINT_GROUP", "ENV_VAR", "BackendFallbackWarning", "Key", "NoEligibleBackendError",
-    "PluginFailure", "Registry", "Verdict", "caller_fault", "get_registry", "rank", "use_backend", "why_not",
+    "PluginFailure", "Registry", "VOCAB_BUCKETS", "Verdict", "caller_fault", "get_registry", "rank", "use_backend",
+    "vocab_bucket", "why_not",
 ]
 
 
@@ -87,6 +88,10 @@ class Registry:
 
     def broken(self) -> Dict[Key, Dict[str, str]]:
         return self._dispatcher.broken()
+
+    def tuning_status(self) -> str:
+        """Whether a tuning ranking is in use, for ``info``."""
+        return self._dispatcher.tuning.status(self.environment(), self.plugins_set.versions())
 
     def reset(self) -> None:
         """Forget cached selections and broken marks (see :mod:`.dispatch` for when a backend is

@@ -21,7 +21,7 @@ mark. A failure inside a backward pass cannot be retried: it reaches the caller.
 from __future__ import annotations
 
 import contextvars
-import os
+import dataclasses
 import sys
 import threading
 import warnings
@@ -33,6 +33,7 @@ from .. import config
 from ..backend import Backend
 from ..environment import Environment
 from ..opspec import OPS
+from ..tuning.cache import Tuning
 from ..validation import inside_functorch_transform
 from .errors import BackendFallbackWarning, NoEligibleBackendError
 from .key import Key
@@ -84,6 +85,7 @@ class Dispatcher:
         self._cache: Dict[Key, Backend] = {}
         self._explicit_ok: Dict[Tuple[str, Key], Backend] = {}
         self._broken: Dict[Key, Dict[str, str]] = {}
+        self.tuning = Tuning()
         self._state: Tuple[Any, int] = (None, -1)  # (environment, plugins.generation) the caches are for
 
     # --------------------------------------------------------------- state
@@ -122,14 +124,18 @@ class Dispatcher:
         name = _forced.get()
         if name is not None:
             return name, "use_backend()"
-        name = os.environ.get(ENV_VAR, "").strip()
+        text = config.raw(ENV_VAR)
+        if not text:
+            return None, ""
+        name = (text.decode() if isinstance(text, bytes) else text).strip()
         if name:
             return name, f"{ENV_VAR}={name}"
         return None, ""
 
     def verdicts(self, key: Key) -> List[Verdict]:
         env = self.env()
-        return rank(self._plugins.backends(), key, env, self._broken.get(key), config.get(UNTESTED.name))
+        measured = self.tuning.entry(key, env, self._plugins.versions()) if key.vocab else None
+        return rank(self._plugins.backends(), key, env, self._broken.get(key), config.get(UNTESTED.name), measured)
 
     def select(self, key: Key, backend: Optional[str] = None) -> Backend:
         """The backend that runs ``key``: the explicit choice if any, else the automatic one."""
@@ -182,8 +188,7 @@ class Dispatcher:
             chosen = forced if any(v.name == forced and v.reason is None for v in verdicts) else None
         else:
             chosen = automatic(verdicts)
-        marked = [Verdict(v.name, v.priority, v.origin, v.reason, v.broken, v.name == chosen, v.transient)
-                  for v in verdicts]
+        marked = [dataclasses.replace(v, chosen=v.name == chosen) for v in verdicts]
         return Explanation(key, marked, chosen, f"{forced} ({source})" if forced else None,
                            tuple(self._plugins.failures()))
 

@@ -161,6 +161,11 @@ class PluginSet:
         self.load()
         return list(self._failures)
 
+    def versions(self) -> Dict[str, str]:
+        """Each backend's plugin distribution and version (``"logprob-registry 0.1.0 (built-in)"``)."""
+        self.load()
+        return {b.name: self._dists.get(b.origin, "") for b in self._sorted}
+
     def plugins(self) -> List[Tuple[str, str, List[str]]]:
         """(plugin name, distribution, backend names) for every plugin loaded."""
         self.load()

@@ -5,7 +5,7 @@ read its answer, so the table always says what a call does."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Iterable, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Collection, Iterable, List, Mapping, Optional, Tuple
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -13,7 +13,10 @@ from packaging.specifiers import SpecifierSet
 from ..backend import Backend
 from ..dtypes import dtype_name
 from ..environment import Environment, device_label
-from .key import Key
+from .key import Key, bucket_range, describe_bucket
+
+if TYPE_CHECKING:
+    from ..tuning.cache import Entry
 
 
 @dataclass(frozen=True)
@@ -27,10 +30,13 @@ class Verdict:
     broken: Optional[str] = None  # the run-time error that marked it broken for this key
     chosen: bool = False
     transient: bool = False  # its availability check raised: ask again next time, never cache
+    skipped: Optional[str] = None  # it can run the key, but the automatic choice passes it over: why
+    measured: Optional[float] = None  # seconds per call in the tuning ranking, when measured
 
     @property
     def eligible(self) -> bool:
-        return self.reason is None and self.broken is None
+        """Whether the automatic choice may take it."""
+        return self.reason is None and self.broken is None and self.skipped is None
 
     @property
     def status(self) -> str:
@@ -38,7 +44,16 @@ class Verdict:
             return "chosen"
         if self.broken is not None:
             return "broken"
+        if self.reason is None and self.skipped is not None:
+            return "skipped"
         return "eligible" if self.reason is None else "no"
+
+    @property
+    def why(self) -> str:
+        """The sentence for the table's "why not" column."""
+        if self.broken is not None:
+            return f"failed at run time: {self.broken}"
+        return self.reason or self.skipped or ""
 
 
 def order(backends: Iterable[Backend]) -> List[Backend]:
@@ -85,13 +100,30 @@ def why_not(backend: Backend, key: Key, env: Environment, untested: Collection[s
 
 
 def rank(backends: Iterable[Backend], key: Key, env: Environment, broken: Optional[Mapping[str, str]] = None,
-         untested: Collection[str] = ()) -> List[Verdict]:
+         untested: Collection[str] = (), measured: Optional[Entry] = None) -> List[Verdict]:
     """Every backend's verdict for ``key``, best first; the first eligible one is the automatic
-    choice (``chosen`` is left for the caller to mark)."""
+    choice (``chosen`` is left for the caller to mark).
+
+    Without a measured ``Entry`` (a tuning ranking for the key), priority orders them; with one,
+    the backends measured come first, fastest first, then the others by priority, and a backend
+    that failed the tuning smoke check is passed over. A backend whose ``min_vocab`` lies above the
+    key's vocabulary bucket is passed over too (explicit choice is unaffected by either)."""
     verdicts = []
+    low = bucket_range(key.vocab)[0] if key.vocab else None
     for b in order(backends):
         reason, transient = why_not(b, key, env, untested)
-        verdicts.append(Verdict(b.name, b.priority, b.origin, reason, (broken or {}).get(b.name), False, transient))
+        skipped = None
+        timed = measured is not None and b.name in measured.times  # a measurement beats a declaration
+        if reason is None and low is not None and low < b.min_vocab and not timed:
+            skipped = (f"not worth it for {describe_bucket(key.vocab)} (declares min_vocab={b.min_vocab}); "
+                       "choose it explicitly to use it anyway")
+        if reason is None and measured is not None and b.name in measured.failed:
+            skipped = f"failed the tuning smoke check: {measured.failed[b.name]}"
+        seconds = measured.times.get(b.name) if measured is not None else None
+        verdicts.append(Verdict(b.name, b.priority, b.origin, reason, (broken or {}).get(b.name), False, transient,
+                                skipped, seconds))
+    if measured is not None:
+        verdicts.sort(key=lambda v: (v.measured is None, v.measured or 0.0))  # stable: priority among the rest
     return verdicts
 
 

@@ -16,8 +16,12 @@ from logprob_registry.environment import MAIN_DEVICE_ORDER
 from logprob_registry.opspec import OPS
 from logprob_registry.registry import Key, get_registry
 
-#: Ops over logits, and those of them that take labels (read from the op table).
-LOGITS_OPS = tuple(name for name, spec in OPS.items() if spec.dtype_input == "logits")
+#: Ops over logits that give log-probabilities of labels and/or the entropy, and those of them that
+#: take labels (read from the op table). ``topk_logprobs`` (which returns ids) has its own tests, and
+#: the vocabulary-parallel shard ops (no public function) the distributed section.
+LOGITS_OPS = tuple(name for name, spec in OPS.items()
+                   if spec.dtype_input == "logits" and spec.function is not None
+                   and set(spec.outputs) <= {"logprobs", "entropy"})
 LABEL_OPS = tuple(name for name in LOGITS_OPS if "labels" in OPS[name].inputs)
 DTYPES = {
     "float32": torch.float32,

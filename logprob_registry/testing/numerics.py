@@ -173,7 +173,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what
         raise AssertionError(f"{what}: infinity mismatch at {where}: got {a[where].item()}, expected {e[where].item()}")
     finite = ~(nan_e | inf_e)
     err = torch.where(finite, (a - e).abs(), torch.zeros_like(a))
-    allowed = atol + rtol * e.abs()
+    allowed = atol + rtol * torch.where(finite, e.abs(), torch.zeros_like(e))  # no 0 * inf = NaN at infinities
     bad = err > allowed
     if bool(bad.any()):
         where = _first(err - allowed == (err - allowed).max())

@@ -41,8 +41,10 @@ from logprob_registry.registry import get_registry
 from .harness import Harness, default_device
 from .sections import coverage_of
 from .sections._common import MEMORY_LIMIT
+from .sections.distributed import DistributedSection
 from .sections.hidden import HiddenSection
 from .sections.logits import IGNORE, LARGE_VOCAB, MEMORY_SHAPE, SHAPES, STRIDED, LogitsSection
+from .sections.semantics import SemanticsSection
 
 __all__ = ["BackendConformance", "not_declared", "IGNORE", "LARGE_VOCAB", "MEMORY_LIMIT", "MEMORY_SHAPE",
            "SHAPES", "STRIDED"]
@@ -74,7 +76,7 @@ def not_declared(backend: Backend, test: str, params: dict, cls: Optional[type] 
     return None
 
 
-class BackendConformance(LogitsSection, HiddenSection):
+class BackendConformance(LogitsSection, HiddenSection, SemanticsSection, DistributedSection):
     """Base class of the conformance suite: set ``backend`` (and optionally ``device``).
 
     ``backend``: the registered name. None takes ``--logprob-backend`` from the command line.

@@ -8,7 +8,13 @@ numbers per row and recomputes the softmax chunk by chunk, out of place or over 
 (:mod:`._hidden`). Pure PyTorch: it runs wherever torch runs. How it works, its settings and its
 measured numbers: docs/backends/chunked.md.
 
-Modules: :mod:`._rows` (the row loops), :mod:`._hidden` (the fused linear op).
+The sampler's processing (softcap, top_k, top_p, min_p, keep), candidate labels, ``topk_logprobs``
+and the fused op's ``logits_dtype`` go through :mod:`._sampler`, a chunk of rows at a time; a call
+without them runs the code above, unchanged.
+
+Modules: :mod:`._rows` (the row loops), :mod:`._hidden` (the fused linear op), :mod:`._sampler`
+(the sampler's processing), :mod:`._shards` (the vocabulary-parallel ops behind ``process_group=``,
+group invariant).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from logprob_registry.amp import backward_without_autocast
 from logprob_registry.dtypes import FLOAT_DTYPES
 
 from .._common import overlapping, second_order_gradient
-from . import _hidden
+from . import _hidden, _sampler, _shards
 from . import _rows as loops
 
 DEFAULT_WORKSPACE_BYTES = 8 << 20
@@ -152,16 +158,69 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, want_logpr
     return outs if len(outs) > 1 else outs[0]
 
 
-def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
+def _sampler_run(logits, labels, **options):
+    return _sampler.run(logits, labels, budget=workspace_bytes(),
+                        fixed_shape=logits.device.type not in ROW_WISE_DEVICES, **options)
+
+
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward, **sampler):
+    if _sampler.used(**sampler) or labels.dim() == logits.dim():
+        return _sampler_run(logits, labels, temperature=temperature, ignore_index=ignore_index,
+                            inplace_backward=inplace_backward, **sampler)
     return _run(logits, labels, temperature, ignore_index, inplace_backward, True, False)
 
 
-def entropy(logits, *, temperature):
+def entropy(logits, *, temperature, **sampler):
+    if _sampler.used(**sampler):
+        return _sampler_run(logits, None, temperature=temperature, want_logprobs=False, want_entropy=True,
+                            **sampler)
     return _run(logits, None, temperature, None, False, False, True)
 
 
-def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward):
+def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward, **sampler):
+    if _sampler.used(**sampler) or labels.dim() == logits.dim():
+        return _sampler_run(logits, labels, temperature=temperature, ignore_index=ignore_index,
+                            inplace_backward=inplace_backward, want_entropy=True, **sampler)
     return _run(logits, labels, temperature, ignore_index, inplace_backward, True, True)
+
+
+def topk_logprobs(logits, *, k, temperature, **sampler):
+    return _sampler_run(logits, None, temperature=temperature, want_logprobs=False, topk=k, **sampler)
+
+
+def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy,
+                         chunk_bytes=None, **sampler):
+    if _sampler.used(**sampler) or labels.dim() == hidden.dim():
+        return _sampler.logprobs_from_hidden(
+            hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
+            return_entropy=return_entropy, budget=workspace_bytes(), chunk_bytes=chunk_bytes, **sampler)
+    return _hidden.logprobs_from_hidden(hidden, weight, labels, bias=bias, temperature=temperature,
+                                        ignore_index=ignore_index, return_entropy=return_entropy,
+                                        chunk_bytes=chunk_bytes)
+
+
+def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy):
+    return _shards.shard_stats(logits, labels, vocab_start=vocab_start, tile=tile, temperature=temperature,
+                               ignore_index=ignore_index, with_entropy=with_entropy, budget=workspace_bytes())
+
+
+def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature,
+               inplace_backward):
+    return _shards.shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, vocab_start=vocab_start,
+                              temperature=temperature, inplace_backward=inplace_backward, budget=workspace_bytes())
+
+
+def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy):
+    return _shards.hidden_shard_stats(hidden, weight, labels, bias=bias, vocab_start=vocab_start, tile=tile,
+                                      temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
+                                      budget=_hidden.resolve_chunk_bytes(hidden.device))
+
+
+def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start,
+                      tile, temperature, needs_grad):
+    return _shards.hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, bias=bias,
+                                     vocab_start=vocab_start, temperature=temperature, needs_grad=needs_grad,
+                                     budget=_hidden.resolve_chunk_bytes(hidden.device), tile=tile)
 
 
 @lr.hookimpl
@@ -172,15 +231,24 @@ def register_backends(register):
             "logprobs": logprobs,
             "entropy": entropy,
             "logprobs_and_entropy": logprobs_and_entropy,
-            "logprobs_from_hidden": _hidden.logprobs_from_hidden,
+            "logprobs_from_hidden": logprobs_from_hidden,
+            "topk_logprobs": topk_logprobs,
+            "shard_stats": shard_stats,
+            "shard_grad": shard_grad,
+            "hidden_shard_stats": hidden_shard_stats,
+            "hidden_shard_grad": hidden_shard_grad,
         },
         devices={"cpu", "cuda", "npu", "xpu", "mps", "hpu"},
         dtypes=set(FLOAT_DTYPES),
         priority=10,
+        # tiny vocabularies (up to 256): its fixed cost per call outweighs the work; naive wins there
+        min_vocab=257,
         autograd=True,
         inplace_backward=True,
         batch_invariant=True,
         deterministic=True,
+        features={"candidates", "softcap", "top_k", "top_p", "min_p", "keep", "logits_dtype"},
+        group_invariant=True,
         memory="two fp32 chunk buffers within the workspace budget (8 MiB by default) and a few "
                "floats per row; backward: the gradient, none with inplace_backward",
         description="rows in cache-sized fp32 chunks; no copy of the logits; backward recomputes softmax",

@@ -8,7 +8,7 @@ temperature. How it works, what it costs the first time, and its measured number
 docs/backends/compiled.md.
 
 Modules: :mod:`._kernels` (the kernels and their compilation), :mod:`._ops` (layout, forward,
-autograd).
+autograd), :mod:`._shards` (the vocabulary-parallel ops behind ``process_group=``).
 """
 
 from __future__ import annotations
@@ -22,23 +22,23 @@ from typing import Optional
 import logprob_registry as lr
 from logprob_registry.dtypes import FLOAT_DTYPES
 
-from . import _kernels, _ops
+from . import _kernels, _ops, _shards
 from ._kernels import INDUCTOR_OPTIONS, KERNELS, RECOMPILE_LIMIT, TORCH_SPEC, CompileError, compile_counts
 
 __all__ = ["INDUCTOR_OPTIONS", "KERNELS", "RECOMPILE_LIMIT", "TORCH_SPEC", "CompileError", "available",
            "compile_counts", "entropy", "logprobs", "logprobs_and_entropy", "reset"]
 
 
-def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
-    return _ops.apply(logits, labels, temperature, ignore_index, True, False, inplace_backward)
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward, softcap=None):
+    return _ops.apply(logits, labels, temperature, ignore_index, True, False, inplace_backward, softcap)
 
 
-def entropy(logits, *, temperature):
-    return _ops.apply(logits, None, temperature, None, False, True, False)
+def entropy(logits, *, temperature, softcap=None):
+    return _ops.apply(logits, None, temperature, None, False, True, False, softcap)
 
 
-def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward):
-    return _ops.apply(logits, labels, temperature, ignore_index, True, True, inplace_backward)
+def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward, softcap=None):
+    return _ops.apply(logits, labels, temperature, ignore_index, True, True, inplace_backward, softcap)
 
 
 def reset() -> None:
@@ -100,16 +100,22 @@ def available(env, device: str) -> Optional[str]:
 def register_backends(register):
     register(lr.Backend(
         name="compiled",
-        ops={"logprobs": logprobs, "entropy": entropy, "logprobs_and_entropy": logprobs_and_entropy},
+        ops={"logprobs": logprobs, "entropy": entropy, "logprobs_and_entropy": logprobs_and_entropy,
+             "shard_stats": _shards.shard_stats, "shard_grad": _shards.shard_grad,
+             "hidden_shard_stats": _shards.hidden_shard_stats, "hidden_shard_grad": _shards.hidden_shard_grad},
         devices={"cpu", "cuda"},
         dtypes=set(FLOAT_DTYPES),
         priority=20,
+        # tiny vocabularies (up to 256): its fixed cost per call outweighs the work; naive wins there
+        min_vocab=257,
         torch=TORCH_SPEC,
         autograd=True,
         available=available,
         inplace_backward=True,
         batch_invariant=True,
         deterministic=True,
+        features={"softcap"},
+        group_invariant=True,
         description="torch.compile (inductor) of the row statistics and of the one-pass gradient; "
                     "no N x V temporary; compiles once per kind of call and process",
     ))

@@ -56,10 +56,38 @@ def _fwd_entropy(x, idx, k: float):
     return m, s, u, x.gather(-1, idx)
 
 
-def _grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float):
+def _softcap(xf, cap: float):
+    """``cap * tanh(xf / cap)``; -inf stays -inf (a masked token stays masked)."""
+    return torch.where(torch.isneginf(xf), xf, torch.tanh(xf / cap) * cap)
+
+
+def _fwd_logprobs_softcap(x, idx, k: float, cap: float):
+    """:func:`_fwd_logprobs` of the softcapped logits (the label's logit softcapped, in fp32)."""
+    xf = _softcap(_upcast(x), cap)
+    m = xf.amax(-1, keepdim=True)
+    s = torch.exp2((xf - m) * k).sum(-1, keepdim=True)
+    return m, s, _softcap(_upcast(x.gather(-1, idx)), cap)
+
+
+def _fwd_entropy_softcap(x, idx, k: float, cap: float):
+    xf = _softcap(_upcast(x), cap)
+    m = xf.amax(-1, keepdim=True)
+    a = (xf - m) * k
+    e = torch.exp2(a)
+    s = e.sum(-1, keepdim=True)
+    u = torch.where(torch.isneginf(xf), 0.0, -e * a).sum(-1, keepdim=True)
+    return m, s, u, _softcap(_upcast(x.gather(-1, idx)), cap)
+
+
+def _grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float, cap: Optional[float] = None):
     """d/dx of g_lp * logp[idx] + g_ent * entropy, in x's dtype (g_lp is 0 where ignored). The terms
-    of an op's missing output are skipped (``g_lp`` or ``g_ent`` None): lean for ``logprobs``."""
+    of an op's missing output are skipped (``g_lp`` or ``g_ent`` None): lean for ``logprobs``. With
+    ``cap``, of the softcapped logits: the gradient of z = cap * tanh(x / cap) times 1 - tanh**2."""
     xf = _upcast(x)
+    if cap is not None:
+        t = torch.tanh(xf / cap)
+        dz = torch.where(torch.isneginf(xf), 0.0, 1.0 - t * t)
+        xf = torch.where(torch.isneginf(xf), xf, t * cap)
     log2p = (xf - m) * k - log2_s
     p = torch.exp2(log2p)
     grad = 0.0
@@ -68,7 +96,27 @@ def _grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float):
         grad = torch.where(hit, g_lp, 0.0) - g_lp * p
     if g_ent is not None:
         grad = grad - g_ent * torch.where(torch.isneginf(xf), 0.0, p * (log2p * LN2 + h))
+    if cap is not None:
+        grad = grad * dz
     return (grad * inv_t).to(x.dtype)
+
+
+def _tile_stats(x, k: float):
+    """Per row of a (rows, TILE) block of one vocabulary tile: the raw max, and the sum of exp2(a)
+    with a = (x - max) * k (0 for a tile of nothing but -inf)."""
+    xf = _upcast(x)
+    m = xf.amax(-1, keepdim=True)
+    a = (xf - torch.where(m == float("-inf"), 0.0, m)) * k
+    return m, torch.exp2(a).sum(-1, keepdim=True)
+
+
+def _tile_stats_entropy(x, k: float):
+    """As :func:`_tile_stats`, plus the sum of exp2(a) * a (0 where x is -inf)."""
+    xf = _upcast(x)
+    m = xf.amax(-1, keepdim=True)
+    a = (xf - torch.where(m == float("-inf"), 0.0, m)) * k
+    e = torch.exp2(a)
+    return m, e.sum(-1, keepdim=True), torch.where(e == 0, 0.0, e * a).sum(-1, keepdim=True)
 
 
 def _bwd(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float):
@@ -79,8 +127,24 @@ def _bwd_inplace(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float):
     x.copy_(_grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t))
 
 
+def _bwd_softcap(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float, cap: float):
+    return _grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t, cap)
+
+
+def _bwd_inplace_softcap(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float, cap: float):
+    x.copy_(_grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t, cap))
+
+
 KERNELS: Dict[str, Callable] = {
-    f.__name__.lstrip("_"): f for f in (_fwd_logprobs, _fwd_entropy, _bwd, _bwd_inplace)
+    f.__name__.lstrip("_"): f for f in (_fwd_logprobs, _fwd_entropy, _bwd, _bwd_inplace, _fwd_logprobs_softcap,
+                                        _fwd_entropy_softcap, _bwd_softcap, _bwd_inplace_softcap, _tile_stats,
+                                        _tile_stats_entropy)
+}
+# The tile kernels' bits must not depend on the number of rows, nor on an autotuning run (which
+# could pick another reduction order in another process): inductor's deterministic and
+# batch-invariant modes, where this torch has them (torch >= 2.10).
+EXTRA_OPTIONS: Dict[str, dict] = {
+    name: {"deterministic": True, "batch_invariant": True} for name in ("tile_stats", "tile_stats_entropy")
 }
 _compiled: Dict[str, Callable] = {}
 _lock = threading.RLock()
@@ -90,11 +154,22 @@ def _kernel(name: str) -> Callable:
     """The compiled form of kernel ``name``, created on first use (compiling happens at its call)."""
     with _lock:
         if name not in _compiled:
-            kwargs = dict(dynamic=True, fullgraph=True, options=dict(INDUCTOR_OPTIONS))
+            options = dict(INDUCTOR_OPTIONS)
+            options.update(_known_options(EXTRA_OPTIONS.get(name, {})))
+            kwargs = dict(dynamic=True, fullgraph=True, options=options)
             if "recompile_limit" in inspect.signature(torch.compile).parameters:
                 kwargs["recompile_limit"] = RECOMPILE_LIMIT
             _compiled[name] = torch.compile(KERNELS[name], **kwargs)
         return _compiled[name]
+
+
+def _known_options(options: dict) -> dict:
+    """The inductor options of ``options`` that this torch's inductor has."""
+    if not options:
+        return {}
+    from torch._inductor import config as inductor_config
+
+    return {k: v for k, v in options.items() if hasattr(inductor_config, k)}
 
 
 def compile_counts() -> Dict[str, Optional[int]]:

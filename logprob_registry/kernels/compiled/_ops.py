@@ -77,7 +77,7 @@ class _Forward(NamedTuple):
     entropy: Optional[torch.Tensor]
 
 
-def _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy) -> _Forward:
+def _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy, cap=None) -> _Forward:
     rows = _rows(logits)
     lead = rows.shape[:-1] + (1,)
     ignored = None
@@ -89,10 +89,12 @@ def _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy) -> _F
             ignored = idx == ignore_index
             idx = idx.masked_fill(ignored, 0)
     k = inv_t * LOG2E
+    extra = () if cap is None else (cap,)
+    suffix = "" if cap is None else "_softcap"
     if want_entropy:
-        m, s, u, picked = _row_stats("fwd_entropy", rows, idx, k)
+        m, s, u, picked = _row_stats("fwd_entropy" + suffix, rows, idx, k, *extra)
     else:
-        m, s, picked = _row_stats("fwd_logprobs", rows, idx, k)
+        m, s, picked = _row_stats("fwd_logprobs" + suffix, rows, idx, k, *extra)
     log_s = s.log()
     logp = entropy = None
     if want_logp:
@@ -104,7 +106,7 @@ def _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy) -> _F
     return _Forward(rows, idx, ignored, m, log_s, logp, entropy)
 
 
-def _row_stats(name: str, rows: torch.Tensor, idx: torch.Tensor, k: float) -> tuple:
+def _row_stats(name: str, rows: torch.Tensor, idx: torch.Tensor, k: float, *extra) -> tuple:
     """Forward kernel ``name``'s per-row outputs, shaped like ``idx``.
 
     Rows of more than two dims go plane by plane: on 2-D planes inductor keeps each row's passes,
@@ -113,11 +115,12 @@ def _row_stats(name: str, rows: torch.Tensor, idx: torch.Tensor, k: float) -> tu
     its own that sums a row in another order than a batch's kernel does.
     """
     if rows.shape[:-1].numel() == 1:
-        pair = _run(name, rows.reshape(1, -1).expand(2, -1).detach(), idx.reshape(1, 1).expand(2, 1).contiguous(), k)
+        pair = _run(name, rows.reshape(1, -1).expand(2, -1).detach(), idx.reshape(1, 1).expand(2, 1).contiguous(), k,
+                    *extra)
         return tuple(t[:1].reshape(idx.shape) for t in pair)
     if rows.dim() == 2:
-        return _run(name, rows, idx, k)
-    parts = [_run(name, plane, *_take((idx, k), index)) for index, plane in _planes(rows)]
+        return _run(name, rows, idx, k, *extra)
+    parts = [_run(name, plane, *_take((idx, k) + extra, index)) for index, plane in _planes(rows)]
     return tuple(torch.stack(outs).view(idx.shape) for outs in zip(*parts))
 
 
@@ -130,7 +133,7 @@ _warm: set = set()
 _eager_backward: Dict[tuple, str] = {}
 
 
-def _grad_args(want: tuple, idx, ignored, m, log_s, h, g_lp, g_ent, inv_t) -> tuple:
+def _grad_args(want: tuple, idx, ignored, m, log_s, h, g_lp, g_ent, inv_t, cap=None) -> tuple:
     """The backward kernel's arguments after the logits, each its own contiguous N-sized tensor (the
     compiled kernel specialises on aliasing and strides; the log-sum in base 2), then the scales. ``want`` is the op's
     (logprobs, entropy): the parts of an output it lacks are None, of one it has, zeros if absent."""
@@ -145,14 +148,15 @@ def _grad_args(want: tuple, idx, ignored, m, log_s, h, g_lp, g_ent, inv_t) -> tu
     else:
         idx = g_lp = None
     h, g_ent = (given(h), given(g_ent)) if want_entropy else (None, None)
-    return idx, m, _plain(log_s * LOG2E), h, g_lp, g_ent, inv_t * LOG2E, inv_t
+    args = (idx, m, _plain(log_s * LOG2E), h, g_lp, g_ent, inv_t * LOG2E, inv_t)
+    return args if cap is None else args + (cap,)
 
 
-def _warm_backward(rows: torch.Tensor, want: tuple, inv_t: float, inplace: bool) -> None:
+def _warm_backward(rows: torch.Tensor, want: tuple, inv_t: float, inplace: bool, cap=None) -> None:
     """Compile now, on a few rows of the same layout class, the backward kernel that this forward's
     backward will use: a failure then raises from the forward, where the registry can fall back."""
     target = next(_planes(rows))[1] if inplace else rows
-    key = ("bwd_inplace" if inplace else "bwd", want) + _layout(target)
+    key = (_backward_name(inplace, cap), want) + _layout(target)
     if key in _warm:
         return
     # 2 rows (1 if the input has one), of unequal sizes per dim so that none is taken for another
@@ -162,7 +166,7 @@ def _warm_backward(rows: torch.Tensor, want: tuple, inv_t: float, inplace: bool)
     lead = sample.shape[:-1] + (1,)
     m = torch.zeros(lead, dtype=result_dtype(rows.dtype), device=rows.device)
     idx = torch.zeros(lead, dtype=torch.int64, device=rows.device)
-    _run(key[0], sample, *_grad_args(want, idx, None, m, torch.zeros_like(m), None, None, None, inv_t))
+    _run(key[0], sample, *_grad_args(want, idx, None, m, torch.zeros_like(m), None, None, None, inv_t, cap))
     with _lock:
         _warm.add(key)
 
@@ -180,9 +184,14 @@ def _scratch(sample: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.zeros(span, dtype=target.dtype, device=target.device).as_strided(sample.shape, strides).detach()
 
 
+def _backward_name(inplace: bool, cap) -> str:
+    return ("bwd_inplace" if inplace else "bwd") + ("" if cap is None else "_softcap")
+
+
 def _grad(rows: torch.Tensor, want: tuple, args: tuple, inplace: bool) -> Optional[torch.Tensor]:
-    """The gradient for ``rows`` (written into them when ``inplace``, and None returned)."""
-    name = "bwd_inplace" if inplace else "bwd"
+    """The gradient for ``rows`` (written into them when ``inplace``, and None returned); ``args``
+    end with the softcap (a ninth argument) for the softcap kernels."""
+    name = _backward_name(inplace, args[8] if len(args) > 8 else None)
     key = (name, want) + _layout(rows)
     if key not in _eager_backward:
         try:
@@ -207,12 +216,12 @@ def _grad(rows: torch.Tensor, want: tuple, args: tuple, inplace: bool) -> Option
     return out
 
 
-def _reference_outputs(logits, idx, ignored, inv_t, want_logp, want_entropy) -> tuple:
+def _reference_outputs(logits, idx, ignored, inv_t, want_logp, want_entropy, cap) -> tuple:
     """The op's outputs by the reference formulas in the result dtype, differentiable (for a
-    double backward): ``idx`` and ``ignored`` as the forward made them."""
+    double backward): ``idx`` and ``ignored`` as the forward made them; ``cap``, the softcap."""
     lead = logits.shape[:-1]
     outs = ref.outputs(logits, idx.view(lead) if want_logp else None, temperature=1.0 / inv_t, ignore_index=None,
-                       want_logprobs=want_logp, want_entropy=want_entropy)
+                       want_logprobs=want_logp, want_entropy=want_entropy, softcap=cap)
     outs = list(outs) if isinstance(outs, tuple) else [outs]
     if want_logp and ignored is not None:
         outs[0] = outs[0].masked_fill(ignored.view(lead), 0.0)
@@ -223,10 +232,10 @@ class _LogSoftmaxOps(torch.autograd.Function):
     """Log-probabilities and/or entropy of logits, backward through the compiled gradient kernel."""
 
     @staticmethod
-    def forward(ctx, logits, labels, inv_t, ignore_index, want_logp, want_entropy, inplace):
-        f = _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy)
-        _warm_backward(f.rows, (want_logp, want_entropy), inv_t, inplace)
-        ctx.options = (inv_t, want_logp, want_entropy, inplace)
+    def forward(ctx, logits, labels, inv_t, ignore_index, want_logp, want_entropy, inplace, cap):
+        f = _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy, cap)
+        _warm_backward(f.rows, (want_logp, want_entropy), inv_t, inplace, cap)
+        ctx.options = (inv_t, want_logp, want_entropy, inplace, cap)
         ctx.save_for_backward(logits, f.idx, f.ignored, f.m, f.log_s, f.entropy)
         outputs = _outputs(f, logits.shape[:-1])
         return outputs if len(outputs) > 1 else outputs[0]
@@ -234,34 +243,35 @@ class _LogSoftmaxOps(torch.autograd.Function):
     @staticmethod
     @backward_without_autocast
     def backward(ctx, *grads):
-        inv_t, want_logp, want_entropy, inplace = ctx.options
+        inv_t, want_logp, want_entropy, inplace, cap = ctx.options
         logits, idx, ignored, m, log_s, h = ctx.saved_tensors
         g_lp = grads[0] if want_logp else None
         g_ent = grads[-1] if want_entropy else None
         if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
-            outputs = lambda: _reference_outputs(logits, idx, ignored, inv_t, want_logp, want_entropy)
-            return second_order_gradient(outputs, (logits,), (g_lp, g_ent)) + (None,) * 6
+            outputs = lambda: _reference_outputs(logits, idx, ignored, inv_t, want_logp, want_entropy, cap)
+            return second_order_gradient(outputs, (logits,), (g_lp, g_ent)) + (None,) * 7
         rows = _rows(logits)
         want = (want_logp, want_entropy)
-        args = _grad_args(want, idx, ignored, m, log_s, h, g_lp, g_ent, inv_t)
+        args = _grad_args(want, idx, ignored, m, log_s, h, g_lp, g_ent, inv_t, cap)
         if inplace:
             for index, plane in _planes(rows):
                 _grad(plane, want, _take(args, index), inplace=True)
             grad = logits.detach()  # a fresh alias: autograd keeps it as .grad without a copy
         else:
             grad = _grad(rows, want, args, inplace=False).view(logits.shape)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
-def apply(logits, labels, temperature, ignore_index, want_logp, want_entropy, inplace):
+def apply(logits, labels, temperature, ignore_index, want_logp, want_entropy, inplace, softcap=None):
     if logits.numel() == 0:  # nothing to compile for
         return ref.outputs(logits, labels, temperature=temperature, ignore_index=ignore_index,
-                           want_logprobs=want_logp, want_entropy=want_entropy)
+                           want_logprobs=want_logp, want_entropy=want_entropy, softcap=softcap)
     inv_t = 1.0 / temperature
     if torch.is_grad_enabled() and logits.requires_grad:
         inplace = inplace and not _overlapping(logits)  # then honoured out of place
-        return _LogSoftmaxOps.apply(logits, labels, inv_t, ignore_index, want_logp, want_entropy, inplace)
-    outputs = _outputs(_forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy), logits.shape[:-1])
+        return _LogSoftmaxOps.apply(logits, labels, inv_t, ignore_index, want_logp, want_entropy, inplace, softcap)
+    outputs = _outputs(_forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy, softcap),
+                       logits.shape[:-1])
     return outputs if len(outputs) > 1 else outputs[0]
 
 

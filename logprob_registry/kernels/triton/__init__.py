@@ -42,16 +42,47 @@ def _load():
     return _kernels
 
 
-def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
-    return _load().logprobs(logits, labels, temperature, ignore_index, inplace_backward)
+def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward, softcap=None):
+    return _load().logprobs(logits, labels, temperature, ignore_index, inplace_backward, softcap)
 
 
-def entropy(logits, *, temperature):
-    return _load().entropy(logits, temperature)
+def entropy(logits, *, temperature, softcap=None):
+    return _load().entropy(logits, temperature, softcap)
 
 
-def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward):
-    return _load().logprobs_and_entropy(logits, labels, temperature, ignore_index, inplace_backward)
+def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward, softcap=None):
+    return _load().logprobs_and_entropy(logits, labels, temperature, ignore_index, inplace_backward, softcap)
+
+
+def _shard_ops():
+    """The vocabulary-parallel kernels' module, imported at the first such op."""
+    from . import _shards
+
+    return _shards
+
+
+def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy):
+    return _shard_ops().shard_stats(logits, labels, vocab_start=vocab_start, tile=tile, temperature=temperature,
+                                    ignore_index=ignore_index, with_entropy=with_entropy)
+
+
+def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature,
+               inplace_backward):
+    return _shard_ops().shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy,
+                                   vocab_start=vocab_start, temperature=temperature, inplace_backward=inplace_backward)
+
+
+def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy):
+    return _shard_ops().hidden_shard_stats(hidden, weight, labels, bias=bias, vocab_start=vocab_start, tile=tile,
+                                           temperature=temperature, ignore_index=ignore_index,
+                                           with_entropy=with_entropy)
+
+
+def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start,
+                      tile, temperature, needs_grad):
+    return _shard_ops().hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy,
+                                          bias=bias, vocab_start=vocab_start, tile=tile, temperature=temperature,
+                                          needs_grad=needs_grad)
 
 
 def available(env, device_type: str) -> "str | None":
@@ -72,6 +103,10 @@ def make_backend(interpret: bool) -> lr.Backend:
             "logprobs": logprobs,
             "entropy": entropy,
             "logprobs_and_entropy": logprobs_and_entropy,
+            "shard_stats": shard_stats,
+            "shard_grad": shard_grad,
+            "hidden_shard_stats": hidden_shard_stats,
+            "hidden_shard_grad": hidden_shard_grad,
         },
         devices={"cuda", "cpu"} if interpret else {"cuda"},
         dtypes=set(FLOAT_DTYPES),
@@ -83,6 +118,8 @@ def make_backend(interpret: bool) -> lr.Backend:
         inplace_backward=True,
         batch_invariant=True,
         deterministic=True,
+        features={"softcap"},
+        group_invariant=True,
         description=(
             "fused Triton kernels: one pass over the vocabulary with an online log-sum-exp, in the "
             "logits' dtype and strides, fp32 accumulation; in-place backward." + mode

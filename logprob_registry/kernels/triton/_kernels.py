@@ -91,6 +91,16 @@ def _num_warps(elements: int) -> int:
 
 # ----------------------------------------------------------------------------------------- kernels
 @triton.jit
+def _softcap(x, cap):
+    """``cap * tanh(x / cap)`` (tanh from one exp, stable for any magnitude); -inf stays -inf."""
+    u = x / cap
+    e = tl.exp(-2.0 * tl.abs(u))
+    t = (1.0 - e) / (1.0 + e)
+    t = tl.where(u < 0, -t, t)
+    return tl.where(x == float("-inf"), x, t * cap)
+
+
+@triton.jit
 def _row_offset(rows, D1, D2, s0, s1, s2):
     """Offsets of rows ``rows`` (linear indices over three leading dims of sizes (., D1, D2))."""
     i2 = rows % D2
@@ -101,8 +111,9 @@ def _row_offset(rows, D1, D2, s0, s1, s2):
 @triton.jit
 def _finish(
     rows, live, x_rows, m, s, t, temp, xsv,
-    lab_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr, D1, D2, ls0, ls1, ls2, ignore_index,
+    lab_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr, D1, D2, ls0, ls1, ls2, ignore_index, cap,
     ACC: tl.constexpr, LABELS: tl.constexpr, IGNORE: tl.constexpr, ENTROPY: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Write the rows' results from their (m, s, t), and save m and log(s) for the backward."""
     s = tl.where(live, s, 1.0)  # rows past the end: no log(0) to form
@@ -113,10 +124,16 @@ def _finish(
         label = tl.load(lab_ptr + _row_offset(rows, D1, D2, ls0, ls1, ls2), mask=live, other=0).to(tl.int64)
         if IGNORE:
             keep = live & (label != ignore_index)
-            x_lab = tl.load(x_rows + label * xsv, mask=keep, other=0.0).to(ACC) / temp
+            x_lab = tl.load(x_rows + label * xsv, mask=keep, other=0.0).to(ACC)
+            if SOFTCAP:
+                x_lab = _softcap(x_lab, cap)
+            x_lab = x_lab / temp
             tl.store(lp_ptr + rows, tl.where(keep, (x_lab - m) - log_s, 0.0), mask=live)
         else:
-            x_lab = tl.load(x_rows + label * xsv, mask=live, other=0.0).to(ACC) / temp
+            x_lab = tl.load(x_rows + label * xsv, mask=live, other=0.0).to(ACC)
+            if SOFTCAP:
+                x_lab = _softcap(x_lab, cap)
+            x_lab = x_lab / temp
             tl.store(lp_ptr + rows, (x_lab - m) - log_s, mask=live)
     if ENTROPY:
         tl.store(ent_ptr + rows, log_s - t / s, mask=live)
@@ -126,9 +143,9 @@ def _finish(
 def _forward_kernel(
     x_ptr, lab_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr, pm_ptr, ps_ptr, pt_ptr,
     N, V, CHUNK, SPAN, D1, D2, xs0, xs1, xs2, xsv, ls0, ls1, ls2,
-    t_hi, t_lo, ignore_index,
+    t_hi, t_lo, ignore_index, cap,
     ROWS: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr, SPLIT: tl.constexpr,
-    LABELS: tl.constexpr, IGNORE: tl.constexpr, ENTROPY: tl.constexpr,
+    LABELS: tl.constexpr, IGNORE: tl.constexpr, ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr = False,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     live = rows < N
@@ -144,7 +161,10 @@ def _forward_kernel(
     for start in range(0, SPAN, BLOCK):  # SPAN = min(CHUNK, V); the last chunk's tail is masked
         idx = start + cols
         mask = live[:, None] & (idx < hi)[None, :]
-        x = tl.load(x_rows[:, None] + (idx * xsv)[None, :], mask=mask, other=float("-inf")).to(ACC) / temp
+        x = tl.load(x_rows[:, None] + (idx * xsv)[None, :], mask=mask, other=float("-inf")).to(ACC)
+        if SOFTCAP:
+            x = _softcap(x, cap)
+        x = x / temp
         m_new = tl.maximum(m, tl.max(x, 1))
         # -inf entries (and a running maximum still at -inf) are replaced by finite stand-ins
         # before any arithmetic, so that no inf - inf or 0 * inf is ever formed; NaN still spreads.
@@ -167,16 +187,16 @@ def _forward_kernel(
             tl.store(pt_ptr + at, t, mask=live)
     else:
         _finish(rows, live, x_rows, m, s, t, temp, xsv, lab_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr,
-                D1, D2, ls0, ls1, ls2, ignore_index, ACC, LABELS, IGNORE, ENTROPY)
+                D1, D2, ls0, ls1, ls2, ignore_index, cap, ACC, LABELS, IGNORE, ENTROPY, SOFTCAP)
 
 
 @triton.jit
 def _combine_kernel(
     x_ptr, lab_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr, pm_ptr, ps_ptr, pt_ptr,
     N, n_parts, D1, D2, xs0, xs1, xs2, xsv, ls0, ls1, ls2,
-    t_hi, t_lo, ignore_index,
+    t_hi, t_lo, ignore_index, cap,
     ROWS: tl.constexpr, PARTS: tl.constexpr, ACC: tl.constexpr,
-    LABELS: tl.constexpr, IGNORE: tl.constexpr, ENTROPY: tl.constexpr,
+    LABELS: tl.constexpr, IGNORE: tl.constexpr, ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr = False,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     live = rows < N
@@ -198,16 +218,16 @@ def _combine_kernel(
         pt = tl.load(pt_ptr + at, mask=inb, other=0.0)
         t = tl.sum(w * (pt + shift * ps), 1)
     _finish(rows, live, x_rows, m, s, t, temp, xsv, lab_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr,
-            D1, D2, ls0, ls1, ls2, ignore_index, ACC, LABELS, IGNORE, ENTROPY)
+            D1, D2, ls0, ls1, ls2, ignore_index, cap, ACC, LABELS, IGNORE, ENTROPY, SOFTCAP)
 
 
 @triton.jit
 def _backward_kernel(
     x_ptr, g_ptr, lab_ptr, glp_ptr, gent_ptr, ent_ptr, m_ptr, ls_ptr,
     N, V, D1, D2, xs0, xs1, xs2, xsv, gs0, gs1, gs2, gsv, ls0, ls1, ls2,
-    t_hi, t_lo, ignore_index,
+    t_hi, t_lo, ignore_index, cap,
     ROWS: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr, IGNORE: tl.constexpr,
-    GRAD_LP: tl.constexpr, GRAD_ENT: tl.constexpr,
+    GRAD_LP: tl.constexpr, GRAD_ENT: tl.constexpr, SOFTCAP: tl.constexpr = False,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     live = rows < N
@@ -215,7 +235,11 @@ def _backward_kernel(
     inb = live[:, None] & (cols < V)[None, :]
     temp = tl.cast(t_hi, ACC) + tl.cast(t_lo, ACC)
     x_rows = x_ptr + _row_offset(rows, D1, D2, xs0, xs1, xs2)
-    x = tl.load(x_rows[:, None] + (cols * xsv)[None, :], mask=inb, other=float("-inf")).to(ACC) / temp
+    x = tl.load(x_rows[:, None] + (cols * xsv)[None, :], mask=inb, other=float("-inf")).to(ACC)
+    raw = x
+    if SOFTCAP:
+        x = _softcap(x, cap)
+    x = x / temp
     masked = x == float("-inf")
     m = tl.load(m_ptr + rows, mask=live, other=0.0)
     log_s = tl.load(ls_ptr + rows, mask=live, other=0.0)
@@ -233,6 +257,9 @@ def _backward_kernel(
         h = tl.load(ent_ptr + rows, mask=live, other=0.0)
         grad = grad - g_ent[:, None] * (p * (logp + h[:, None]))
     grad = grad / temp
+    if SOFTCAP:  # d softcap(x) / dx = 1 - tanh(x / cap)**2, 0 at -inf
+        tanh = x * temp / cap
+        grad = grad * tl.where(raw == float("-inf"), 0.0, 1.0 - tanh * tanh)
     out = g_ptr + _row_offset(rows, D1, D2, gs0, gs1, gs2)
     tl.store(out[:, None] + (cols * gsv)[None, :], grad.to(g_ptr.dtype.element_ty), mask=inb)
 
@@ -295,7 +322,7 @@ def _check_device(logits: torch.Tensor) -> None:
         )
 
 
-def _forward(logits, labels, temperature, ignore_index, want_lp, want_ent):
+def _forward(logits, labels, temperature, ignore_index, want_lp, want_ent, softcap=None):
     """(logprobs or None, entropy or None, m, log_s): m and log_s are flat per-row buffers."""
     _check_device(logits)
     lead, vocab = logits.shape[:-1], logits.shape[-1]
@@ -316,11 +343,11 @@ def _forward(logits, labels, temperature, ignore_index, want_lp, want_ent):
         log_s.fill_(float("-inf"))
         return lp, ent, m, log_s
     with _on(dev):
-        _launch_forward(logits, labels if want_lp else None, lp, ent, m, log_s, temperature, ignore_index)
+        _launch_forward(logits, labels if want_lp else None, lp, ent, m, log_s, temperature, ignore_index, softcap)
     return lp, ent, m, log_s
 
 
-def _launch_forward(logits, labels, lp, ent, m, log_s, temperature, ignore_index):
+def _launch_forward(logits, labels, lp, ent, m, log_s, temperature, ignore_index, softcap=None):
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     label_strides = labels.stride() if labels is not None else (0,) * len(lead)
     geometry = _geometry(lead, logits.stride()[:-1], label_strides)
@@ -331,7 +358,7 @@ def _launch_forward(logits, labels, lp, ent, m, log_s, temperature, ignore_index
             _launch_forward(
                 logits[i], None if labels is None else labels[i],
                 None if lp is None else lp[i], None if ent is None else ent[i],
-                m[sl], log_s[sl], temperature, ignore_index)
+                m[sl], log_s[sl], temperature, ignore_index, softcap)
         return
     d1, d2, (xs, ls) = geometry
     n = math.prod(lead)
@@ -352,11 +379,12 @@ def _launch_forward(logits, labels, lp, ent, m, log_s, temperature, ignore_index
     lp_buf = lp if lp is not None else m
     ent_buf = ent if ent is not None else m
     common = dict(ACC=_TL[acc], LABELS=labels is not None, IGNORE=ignore_index is not None,
-                  ENTROPY=ent is not None)
+                  ENTROPY=ent is not None, SOFTCAP=softcap is not None)
+    cap = 1.0 if softcap is None else float(softcap)
     ii = 0 if ignore_index is None else int(ignore_index)
     _forward_kernel[(triton.cdiv(n, rows), parts)](
         logits, lab, lp_buf, ent_buf, m, log_s, pm, ps, pt,
-        n, vocab, chunk, min(chunk, vocab), d1, d2, *xs, logits.stride(-1), *ls, t_hi, t_lo, ii,
+        n, vocab, chunk, min(chunk, vocab), d1, d2, *xs, logits.stride(-1), *ls, t_hi, t_lo, ii, cap,
         ROWS=rows, BLOCK=block, SPLIT=split, num_warps=_num_warps(rows * block), enable_fp_fusion=True,
         **common,
     )
@@ -365,7 +393,7 @@ def _launch_forward(logits, labels, lp, ent, m, log_s, temperature, ignore_index
         crows = max(1, min(256, (INTERPRETER_TILE if INTERPRETED else 4096) // padded))
         _combine_kernel[(triton.cdiv(n, crows),)](
             logits, lab, lp_buf, ent_buf, m, log_s, pm, ps, pt,
-            n, parts, d1, d2, *xs, logits.stride(-1), *ls, t_hi, t_lo, ii,
+            n, parts, d1, d2, *xs, logits.stride(-1), *ls, t_hi, t_lo, ii, cap,
             ROWS=crows, PARTS=padded, num_warps=_num_warps(crows * padded), enable_fp_fusion=True, **common,
         )
 
@@ -381,7 +409,7 @@ def _non_overlapping(t: torch.Tensor) -> bool:
     return True
 
 
-def _backward(logits, labels, g_lp, g_ent, ent, m, log_s, temperature, ignore_index, inplace):
+def _backward(logits, labels, g_lp, g_ent, ent, m, log_s, temperature, ignore_index, inplace, softcap=None):
     if inplace and _non_overlapping(logits):
         grad = logits.detach()  # the same memory, without the logits' autograd history
     else:
@@ -394,13 +422,13 @@ def _backward(logits, labels, g_lp, g_ent, ent, m, log_s, temperature, ignore_in
     g_ent = None if g_ent is None else g_ent.to(acc).contiguous().view(-1)
     with _on(logits.device):
         _launch_backward(logits, grad, labels, g_lp, g_ent, None if ent is None else ent.reshape(-1),
-                         m, log_s, temperature, ignore_index)
+                         m, log_s, temperature, ignore_index, softcap)
     if grad.data_ptr() == logits.data_ptr() and hasattr(torch.autograd.graph, "increment_version"):
         torch.autograd.graph.increment_version(logits)  # its values are gone: stale readers must fail
     return grad
 
 
-def _launch_backward(logits, grad, labels, g_lp, g_ent, ent, m, log_s, temperature, ignore_index):
+def _launch_backward(logits, grad, labels, g_lp, g_ent, ent, m, log_s, temperature, ignore_index, softcap=None):
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     label_strides = labels.stride() if labels is not None else (0,) * len(lead)
     geometry = _geometry(lead, logits.stride()[:-1], grad.stride()[:-1], label_strides)
@@ -411,7 +439,7 @@ def _launch_backward(logits, grad, labels, g_lp, g_ent, ent, m, log_s, temperatu
             _launch_backward(
                 logits[i], grad[i], None if labels is None else labels[i],
                 None if g_lp is None else g_lp[sl], None if g_ent is None else g_ent[sl],
-                None if ent is None else ent[sl], m[sl], log_s[sl], temperature, ignore_index)
+                None if ent is None else ent[sl], m[sl], log_s[sl], temperature, ignore_index, softcap)
         return
     d1, d2, (xs, gs, ls) = geometry
     n = math.prod(lead)
@@ -423,10 +451,10 @@ def _launch_backward(logits, grad, labels, g_lp, g_ent, ent, m, log_s, temperatu
         g_lp if g_lp is not None else m, g_ent if g_ent is not None else m,
         ent if ent is not None else m, m, log_s,
         n, vocab, d1, d2, *xs, logits.stride(-1), *gs, grad.stride(-1), *ls,
-        t_hi, t_lo, 0 if ignore_index is None else int(ignore_index),
+        t_hi, t_lo, 0 if ignore_index is None else int(ignore_index), 1.0 if softcap is None else float(softcap),
         ROWS=rows, BLOCK=block, ACC=_TL[m.dtype], IGNORE=ignore_index is not None,
-        GRAD_LP=g_lp is not None, GRAD_ENT=g_ent is not None, num_warps=_num_warps(rows * block),
-        enable_fp_fusion=True,
+        GRAD_LP=g_lp is not None, GRAD_ENT=g_ent is not None, SOFTCAP=softcap is not None,
+        num_warps=_num_warps(rows * block), enable_fp_fusion=True,
     )
 
 
@@ -435,10 +463,10 @@ class _LogprobsEntropy(torch.autograd.Function):
     """Differentiable (logprobs, entropy); either may be skipped (``None``)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, temperature, ignore_index, inplace, want_lp, want_ent):
-        lp, ent, m, log_s = _forward(logits, labels, temperature, ignore_index, want_lp, want_ent)
+    def forward(ctx, logits, labels, temperature, ignore_index, inplace, want_lp, want_ent, softcap):
+        lp, ent, m, log_s = _forward(logits, labels, temperature, ignore_index, want_lp, want_ent, softcap)
         ctx.save_for_backward(logits, labels, ent, m, log_s)
-        ctx.options = (temperature, ignore_index, inplace)
+        ctx.options = (temperature, ignore_index, inplace, softcap)
         ctx.set_materialize_grads(False)
         return lp, ent
 
@@ -446,38 +474,40 @@ class _LogprobsEntropy(torch.autograd.Function):
     @backward_without_autocast
     def backward(ctx, g_lp, g_ent):
         logits, labels, ent, m, log_s = ctx.saved_tensors
-        temperature, ignore_index, inplace = ctx.options
+        temperature, ignore_index, inplace, softcap = ctx.options
         if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
             def outputs():  # the reference formulas in the result dtype, differentiable
-                return ref.outputs(logits, labels, temperature=temperature, ignore_index=ignore_index,
-                                   want_logprobs=True, want_entropy=True) if labels is not None else \
-                    (None, ref.outputs(logits, None, temperature=temperature, ignore_index=None,
-                                       want_logprobs=False, want_entropy=True))
+                kw = dict(temperature=temperature, softcap=softcap, want_entropy=True)
+                if labels is None:
+                    return None, ref.outputs(logits, None, ignore_index=None, want_logprobs=False, **kw)
+                return ref.outputs(logits, labels, ignore_index=ignore_index, want_logprobs=True, **kw)
 
-            return second_order_gradient(outputs, (logits,), (g_lp, g_ent)) + (None,) * 6
+            return second_order_gradient(outputs, (logits,), (g_lp, g_ent)) + (None,) * 7
         grad = None
         if ctx.needs_input_grad[0] and (g_lp is not None or g_ent is not None):
             grad = _backward(logits, labels, g_lp, g_ent, ent if g_ent is not None else None,
-                             m, log_s, temperature, ignore_index, inplace)
-        return grad, None, None, None, None, None, None
+                             m, log_s, temperature, ignore_index, inplace, softcap)
+        return grad, None, None, None, None, None, None, None
 
 
-def _run(logits, labels, temperature, ignore_index, inplace, want_lp, want_ent):
+def _run(logits, labels, temperature, ignore_index, inplace, want_lp, want_ent, softcap=None):
     if ignore_index is not None and not -2**63 <= ignore_index < 2**63:
         ignore_index = None  # no int64 label can equal it
     if logits.requires_grad and torch.is_grad_enabled():
-        return _LogprobsEntropy.apply(logits, labels, temperature, ignore_index, inplace, want_lp, want_ent)
-    lp, ent, _, _ = _forward(logits, labels, temperature, ignore_index, want_lp, want_ent)
+        return _LogprobsEntropy.apply(logits, labels, temperature, ignore_index, inplace, want_lp, want_ent, softcap)
+    lp, ent, _, _ = _forward(logits, labels, temperature, ignore_index, want_lp, want_ent, softcap)
     return lp, ent
 
 
-def logprobs(logits, labels, temperature: float, ignore_index: Optional[int], inplace: bool):
-    return _run(logits, labels, temperature, ignore_index, inplace, True, False)[0]
+def logprobs(logits, labels, temperature: float, ignore_index: Optional[int], inplace: bool,
+             softcap: Optional[float] = None):
+    return _run(logits, labels, temperature, ignore_index, inplace, True, False, softcap)[0]
 
 
-def entropy(logits, temperature: float):
-    return _run(logits, None, temperature, None, False, False, True)[1]
+def entropy(logits, temperature: float, softcap: Optional[float] = None):
+    return _run(logits, None, temperature, None, False, False, True, softcap)[1]
 
 
-def logprobs_and_entropy(logits, labels, temperature: float, ignore_index: Optional[int], inplace: bool):
-    return _run(logits, labels, temperature, ignore_index, inplace, True, True)
+def logprobs_and_entropy(logits, labels, temperature: float, ignore_index: Optional[int], inplace: bool,
+                         softcap: Optional[float] = None):
+    return _run(logits, labels, temperature, ignore_index, inplace, True, True, softcap)

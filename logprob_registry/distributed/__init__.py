@@ -1,0 +1,29 @@
+"""Vocabulary-parallel log-probabilities and entropy over a ``torch.distributed`` process group.
+
+With ``process_group=`` (and optionally ``vocab_start=``) each rank passes its shard of the logits
+``(..., V_local)``, or of the lm_head weight ``(V_local, H)``, and the same global labels; every rank
+gets the complete result, and the gradients of the unsharded call (the shard's own; for
+``logprobs_from_hidden`` the complete hidden gradient on every rank). Only per-row statistics cross
+the group: a few numbers per row and per 4096-column tile, never ``(N, V)``.
+
+How (docs/distributed.md has the whole story):
+
+- the local work is backend ops of the op table (``shard_stats``, ``shard_grad``,
+  ``hidden_shard_stats``, ``hidden_shard_grad``), selected through the registry like any op;
+- :mod:`.header`: one small all-gather first, so that bad input raises the same error on every
+  rank before any collective that could hang;
+- :mod:`.core`: one all-gather of the tile statistics and a merge in one fixed order on every rank
+  (:mod:`.merge`), so results are bitwise independent of the group size when every shard starts at
+  a multiple of :data:`TILE` and the backend declares ``group_invariant``;
+- :mod:`.logits` and :mod:`.hidden`: the autograd Functions of the public ops;
+- :mod:`.support`: which options a ``process_group=`` call supports;
+- :mod:`.launch`: spawning a local gloo group (tests, the conformance suite, ``bench``).
+"""
+
+from __future__ import annotations
+
+from .header import GroupMismatchError
+from .support import SUPPORTED, check_supported, unsupported_reason
+from .tiles import TILE
+
+__all__ = ["SUPPORTED", "TILE", "GroupMismatchError", "check_supported", "unsupported_reason"]

@@ -1,0 +1,116 @@
+"""The steps every vocabulary-parallel call shares, written once: the header exchange, the
+statistics gather, and the merge into per-row results.
+
+A call (:mod:`.logits`, :mod:`.hidden`) validates its inputs and computes its shard's tile
+statistics through the registry *before* any collective, keeping any error in
+:class:`~.header.Local` instead of raising it; then:
+
+1. :func:`exchange`: one all-gather of the header rows; every rank raises the same error, or
+   learns the :class:`~.header.Layout`;
+2. :func:`gather`: one all-gather of the packed statistics, ``(N, K * max_tiles + 1)`` per rank in
+   the result dtype (``K`` = 2, or 3 with the entropy; the last column holds the label's logit where
+   this rank owns the label);
+3. :func:`combine`: the merge (:func:`~.merge.merge`) in global tile order, and the label's logit
+   taken from the rank that owns it: selected, never summed, so it is exact.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..registry import Key, get_registry
+from . import header
+from .group import Group
+from .merge import merge
+
+
+class Stats(NamedTuple):
+    """One shard's tile statistics, flattened to rows: (N, n_tiles) each, label logits (N,)."""
+
+    m: torch.Tensor
+    s: torch.Tensor
+    t: Optional[torch.Tensor]
+    label_logits: Optional[torch.Tensor]
+
+
+class Merged(NamedTuple):
+    """Per-row results, identical on every rank: (N,) each, on the group's device."""
+
+    lse: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    logprobs: Optional[torch.Tensor]
+
+
+def local_stats(op: str, backend: Optional[str], key: Key, inputs: tuple, options: dict, rows: int, width: int,
+                tile: int, acc: torch.dtype, with_entropy: bool, with_labels: bool) -> Stats:
+    """Run the shard-statistics op ``op`` through the registry and check what it returned."""
+    out = get_registry().call(key, backend, inputs, options)
+    nt = -(-width // tile)
+
+    def name() -> str:
+        return get_registry().select(key, backend).name
+
+    if not isinstance(out, (tuple, list)) or len(out) != 4:
+        raise RuntimeError(f"backend {name()!r}: {op} returned {type(out).__name__}, not the 4-tuple "
+                           "(tile_max, tile_sumexp, tile_elog, label_logits) the op table specifies")
+    wanted = {"tile_max": True, "tile_sumexp": True, "tile_elog": with_entropy, "label_logits": with_labels}
+    flat = []
+    for (what, present), value in zip(wanted.items(), out):
+        if not present:
+            flat.append(None)
+            continue
+        expected = (rows,) if what == "label_logits" else (rows, nt)
+        if not isinstance(value, torch.Tensor) or value.numel() != rows * (1 if what == "label_logits" else nt):
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise RuntimeError(f"backend {name()!r}: {op} returned {what} of shape {got}, expected {rows} rows "
+                               f"x {expected[-1] if len(expected) > 1 else 1} (the leading dims, then the "
+                               f"{nt} tiles of {tile} columns)")
+        flat.append(value.reshape(expected).to(acc))
+    return Stats(*flat)
+
+
+def exchange(group: Group, local: header.Local, device: torch.device) -> header.Layout:
+    """The header all-gather and its checks (see :mod:`.header`)."""
+    table = group.all_gather(header.row(local, device), device).cpu()
+    return header.check(table, local)
+
+
+def gather(group: Group, layout: header.Layout, stats: Stats, device: torch.device, acc: torch.dtype):
+    """The statistics all-gather: ``(W, N, P)`` on ``device``, and the tiles per rank."""
+    rows, nts = layout.rows, layout.tiles
+    width = max(nts)
+    k = 2 if stats.t is None else 3
+    packet = torch.zeros(rows, k * width + 1, dtype=acc, device=device)
+    nt = stats.m.shape[1]
+    for i, part in enumerate((stats.m, stats.s, stats.t)):
+        if part is not None:
+            packet[:, i * width:i * width + nt] = part.to(device)
+    if stats.label_logits is not None:
+        packet[:, -1] = stats.label_logits.to(device)
+    return group.all_gather(packet, device), width
+
+
+def combine(gathered: torch.Tensor, width: int, layout: header.Layout, labels: Optional[torch.Tensor],
+            ignore_index: Optional[int], with_entropy: bool) -> Merged:
+    """Merge the gathered statistics in global tile order; the log-probabilities of ``labels``
+    (global ids, or None) from the owner's label logit."""
+    nts = layout.tiles
+
+    def part(i: int) -> torch.Tensor:
+        return torch.cat([gathered[r, :, i * width:i * width + nts[r]] for r in layout.order], dim=1)
+
+    lse, entropy = merge(part(0), part(1), part(2) if with_entropy else None)
+    logprobs = None
+    if labels is not None:
+        device = gathered.device
+        lab = labels.reshape(-1).to(device=device, dtype=torch.int64)
+        valid = torch.ones_like(lab, dtype=torch.bool) if ignore_index is None else lab != ignore_index
+        lab = torch.where(valid, lab, torch.zeros_like(lab))
+        starts = torch.tensor([layout.starts[r] for r in layout.order], dtype=torch.int64, device=device)
+        order = torch.tensor(layout.order, dtype=torch.int64, device=device)
+        owner = order[torch.searchsorted(starts, lab, right=True) - 1]
+        picked = gathered[owner, torch.arange(lab.numel(), device=device), -1]
+        logprobs = torch.where(valid, picked - lse, torch.zeros((), dtype=lse.dtype, device=device))
+    return Merged(lse, entropy, logprobs)

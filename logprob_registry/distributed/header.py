@@ -1,0 +1,245 @@
+"""The header: one small int64 all-gather that makes every rank raise the same error, or none,
+before any collective that could hang.
+
+Each rank writes what it was asked and what it found into a fixed row of int64 (:class:`Local`),
+including an error it met before this point (bad input, a backend that failed), encoded as a type
+code and the message's bytes instead of being raised. After the gather every rank checks the same
+``(W, LENGTH)`` table with the same code (:func:`check`), so every rank raises the same exception
+with the same message, or learns the layout of the vocabulary (:class:`Layout`). Then the stats
+gather follows, which every rank reaches.
+
+What is compared across ranks: the op and its flags, the rows and the leading shape, the labels (two
+position-weighted modular checksums), the temperature's bits, ``ignore_index``, the tile, the input
+dtype and, for ``logprobs_from_hidden``, the hidden size, bias presence and which gradients are
+needed. The shards must tile ``[0, V)`` without gap or overlap.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from .. import config
+from ..dtypes import FLOAT_DTYPES, dtype_name
+from ..registry.errors import NoEligibleBackendError
+
+MAGIC = 0x6C70_7267_0001  # "lprg", protocol version 1: ranks running another version are told so
+MESSAGE_BYTES = 400
+(MAGIC_, OP, FLAGS, ROWS, SHAPE, WIDTH, START, TILE, TEMPERATURE, IGNORE, LABELS1, LABELS2, DTYPE, HIDDEN,
+ ERROR, MESSAGE_LENGTH, MESSAGE) = range(17)
+LENGTH = MESSAGE + MESSAGE_BYTES // 8
+
+# flags
+(WANT_LOGPROBS, WANT_ENTROPY, HAS_LABELS, START_GIVEN, HAS_BIAS, GRAD, GRAD_HIDDEN,
+ HAS_IGNORE) = (1 << i for i in range(8))
+
+OPS = ("logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden")
+_DTYPES = (None,) + tuple(FLOAT_DTYPES)  # code 0: not known (the input was not a float tensor)
+
+#: Exception types carried through the header, by code; any other exception travels as RuntimeError.
+ERRORS = {1: TypeError, 2: ValueError, 3: config.ConfigError, 4: NoEligibleBackendError, 5: RuntimeError,
+          6: NotImplementedError}
+_PRIMES = ((2147483629, 40503, 2654435761 % 2147483629), (2147483587, 69069, 362437))
+
+
+class GroupMismatchError(ValueError):
+    """The ranks of a group disagree about a call (labels, shapes, options) or their shards do not
+    tile the vocabulary."""
+
+
+@dataclass
+class Local:
+    """One rank's side of a call, as written into its header row."""
+
+    op: str
+    flags: int = 0
+    rows: int = 0
+    shape: tuple = ()
+    width: int = 0
+    start: int = 0
+    tile: int = 0
+    temperature: float = 1.0
+    ignore_index: int = 0
+    dtype: Optional[torch.dtype] = None
+    hidden: int = 0
+    labels: Optional[torch.Tensor] = None  # validated labels, for the checksum
+    error: Optional[BaseException] = None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the header told every rank: where each shard lies, and the global vocabulary."""
+
+    starts: tuple     # per rank
+    widths: tuple     # per rank
+    order: tuple      # ranks sorted by their shard's start
+    vocab: int        # sum of the widths
+    rows: int
+    tile: int
+
+    @property
+    def tiles(self) -> tuple:
+        """Tiles per rank."""
+        return tuple(-(-w // self.tile) for w in self.widths)
+
+    @property
+    def aligned(self) -> bool:
+        """Whether every shard starts at a multiple of the tile (the condition for bitwise
+        independence of the group size)."""
+        return all(s % self.tile == 0 for s in self.starts)
+
+
+def checksums(labels: torch.Tensor) -> torch.Tensor:
+    """Two position-weighted modular checksums of ``labels`` (int64, on their device): exact
+    integer arithmetic, so equal labels give equal sums on any device, and a single changed label
+    or two swapped ones change them."""
+    lab = labels.reshape(-1).long()
+    i = torch.arange(lab.numel(), device=lab.device, dtype=torch.int64)
+    out = []
+    for p, a, b in _PRIMES:
+        weight = (i * a + b) % p
+        out.append((((lab % p) * weight) % p).sum() % p)
+    return torch.stack(out)
+
+
+def _float_bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+
+
+def _shape_code(shape: Sequence[int]) -> int:
+    code = 1469598103934665603  # FNV-1a over the sizes, kept in int64
+    for size in (len(shape), *shape):
+        code = ((code ^ int(size)) * 1099511628211) % (1 << 63)
+    return code
+
+
+def row(local: Local, device: torch.device) -> torch.Tensor:
+    """This rank's header row (int64, ``LENGTH``) on ``device``."""
+    values = [0] * LENGTH
+    values[MAGIC_] = MAGIC
+    values[OP] = OPS.index(local.op)
+    values[FLAGS] = local.flags
+    values[ROWS] = local.rows
+    values[SHAPE] = _shape_code(local.shape)
+    values[WIDTH] = local.width
+    values[START] = local.start
+    values[TILE] = local.tile
+    values[TEMPERATURE] = _float_bits(local.temperature)
+    values[IGNORE] = local.ignore_index
+    values[DTYPE] = _DTYPES.index(local.dtype) if local.dtype in _DTYPES else 0
+    values[HIDDEN] = local.hidden
+    if local.error is not None:
+        code = next((c for c, kind in ERRORS.items() if type(local.error) is kind), None)
+        if code is None:
+            code = next((c for c, kind in ERRORS.items() if isinstance(local.error, kind)), 5)
+        text = _error_text(local.error).encode("utf-8")[:MESSAGE_BYTES]
+        values[ERROR] = code
+        values[MESSAGE_LENGTH] = len(text)
+        padded = text + b"\0" * (MESSAGE_BYTES - len(text))
+        values[MESSAGE:] = list(struct.unpack(f"<{MESSAGE_BYTES // 8}q", padded))
+    h = torch.tensor(values, dtype=torch.int64).to(device)
+    if local.error is None and local.labels is not None and local.labels.numel():
+        h[LABELS1:LABELS2 + 1] = checksums(local.labels).to(device)
+    return h
+
+
+def _error_text(error: BaseException) -> str:
+    text = str(error) or type(error).__name__
+    if type(error) not in ERRORS.values() and not any(isinstance(error, k) for k in ERRORS.values()):
+        text = f"{type(error).__name__}: {text}"
+    return text
+
+
+def _message(table: torch.Tensor, rank: int) -> str:
+    length = int(table[rank, MESSAGE_LENGTH])
+    raw = struct.pack(f"<{MESSAGE_BYTES // 8}q", *(int(x) for x in table[rank, MESSAGE:]))
+    return raw[:length].decode("utf-8", errors="replace")
+
+
+def check(table: torch.Tensor, local: Local) -> Layout:
+    """Check the gathered header ``table`` (W, LENGTH) on the CPU: every rank runs this on the same
+    table, so every rank raises the same exception, or returns the same :class:`Layout`.
+
+    The first error wins, in this order: an error a rank met before the gather (the lowest rank's),
+    another protocol version, a disagreement about the call, shards that do not tile the vocabulary.
+    ``local`` is this rank's row, to chain its own exception as the cause on the rank that met it.
+    """
+    t = table.tolist()
+    size = len(t)
+    for r in range(size):
+        if t[r][ERROR]:
+            kind = ERRORS.get(t[r][ERROR], RuntimeError)
+            text = f"rank {r} of the process group: {_message(table, r)}"
+            raise kind(text) from (local.error if local.error is not None else None)
+    bad = [r for r in range(size) if t[r][MAGIC_] != MAGIC]
+    if bad:
+        raise GroupMismatchError(f"ranks {bad} run another version of logprob-registry's distributed protocol "
+                                 "than rank 0; install the same logprob-registry version on every rank")
+
+    def disagree(column: int, what: str, show=lambda x: x, hint: str = "") -> None:
+        others = [r for r in range(size) if t[r][column] != t[0][column]]
+        if others:
+            r = others[0]
+            raise GroupMismatchError(
+                f"ranks {others} disagree with rank 0 on {what} (rank 0: {show(t[0][column])}, rank {r}: "
+                f"{show(t[r][column])}); every rank of process_group must make the same call{hint}")
+
+    disagree(OP, "the op", lambda code: OPS[code])
+    given = [r for r in range(size) if t[r][FLAGS] & START_GIVEN]
+    if given and len(given) < size:
+        raise GroupMismatchError(
+            f"vocab_start was given on ranks {given} but not on ranks "
+            f"{[r for r in range(size) if r not in given]}; give it on every rank or on none")
+    disagree(FLAGS, "the call's options (outputs, labels, vocab_start given or not, bias, gradients, "
+                    "ignore_index given or not)", _describe_flags)
+    disagree(ROWS, "the number of rows (positions)")
+    disagree(SHAPE, "the shape of the leading dims", lambda _: "see that rank's input")
+    disagree(DTYPE, "the input dtype", lambda code: dtype_name(_DTYPES[code]) if code else "?")
+    disagree(HIDDEN, "the hidden size")
+    disagree(TILE, "the tile size")
+    disagree(TEMPERATURE, "the temperature", lambda bits: struct.unpack("<d", struct.pack("<q", bits))[0])
+    if t[0][FLAGS] & HAS_IGNORE:
+        disagree(IGNORE, "ignore_index")
+    for column in (LABELS1, LABELS2):
+        others = [r for r in range(size) if t[r][column] != t[0][column]]
+        if others:
+            raise GroupMismatchError(
+                f"the labels differ across the group: ranks {others} hold other labels than rank 0 (their "
+                "checksums differ); pass the same global label ids (not shard-local ones) on every rank")
+    return _layout(t, size)
+
+
+def _describe_flags(flags: int) -> str:
+    names = ("logprobs", "entropy", "labels", "vocab_start given", "bias", "gradients", "hidden gradient",
+             "ignore_index given")
+    return "{" + ", ".join(n for i, n in enumerate(names) if flags & (1 << i)) + "}"
+
+
+def _layout(t: List[list], size: int) -> Layout:
+    widths = tuple(t[r][WIDTH] for r in range(size))
+    starts = tuple(t[r][START] for r in range(size))
+    vocab = sum(widths)
+    if not t[0][FLAGS] & START_GIVEN and len(set(widths)) > 1:
+        raise GroupMismatchError(
+            f"the vocabulary shards have different widths ({', '.join(f'rank {r}: {w}' for r, w in enumerate(widths))})"
+            " and vocab_start was not given, so each shard's place is unknown; pass vocab_start= (the global id of "
+            "the shard's first column) on every rank")
+    for r in range(size):
+        if starts[r] >= vocab:
+            raise GroupMismatchError(
+                f"rank {r}: vocab_start={starts[r]} is outside the vocabulary of {vocab} columns (the sum of the "
+                "shards' widths); give each rank the global id of its shard's first column")
+    order = tuple(sorted(range(size), key=lambda r: (starts[r], r)))
+    position = 0
+    for r in order:
+        if starts[r] != position:
+            what = (f"leaves columns [{position}, {starts[r]}) to no rank" if starts[r] > position
+                    else f"overlaps the columns [{starts[r]}, {position}) of another rank")
+            raise GroupMismatchError(
+                f"the vocabulary shards do not tile [0, {vocab}): rank {r}'s shard starts at {starts[r]} and "
+                f"{what}; each rank's vocab_start must be the sum of the widths of the shards before it")
+        position += widths[r]
+    return Layout(starts, widths, order, vocab, t[0][ROWS], t[0][TILE])

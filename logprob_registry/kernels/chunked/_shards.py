@@ -1,0 +1,274 @@
+"""``chunked``'s vocabulary-parallel ops: tile statistics of a shard and its gradient, for the
+logits ops and for ``logprobs_from_hidden`` (see :mod:`logprob_registry.distributed`).
+
+Tile statistics use :func:`~logprob_registry.distributed.tiles.tile_stats_`: a max (exact) and
+sums by a halving tree (elementwise adds only), so a tile's statistics depend bitwise on its own
+columns whatever the rows around it, the shard's width, the device or the thread count:
+``chunked`` declares ``group_invariant``. Rows go a chunk at a time through a workspace of a few
+MiB (the backend's budget), so no copy of the logits is made; the fused op forms one tile of
+logits (a block of rows against ``TILE`` columns of the weight) at a time and never the
+``(N, V_local)`` logits.
+
+The fused op's matmuls have the same shapes whatever the shard: a block of rows of a size fixed by
+the budget only (padded to ``MIN_GEMM_ROWS``), against one tile of the weight copied to a fresh
+buffer (so its alignment is the same on every rank). Whether a matmul library then gives the same
+bits is up to the library: true of the CPU build tested; GPUs' libraries pick kernels by shape,
+which is the same here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from logprob_registry.distributed.tiles import label_columns, n_tiles, tile_stats_
+from logprob_registry.dtypes import result_dtype
+
+from .._common import MIN_GEMM_ROWS, pad_rows
+from ._rows import chunks
+
+TileStats = Callable[[torch.Tensor, bool], tuple]  # (rows, tile) scratch, with_entropy -> (m, s, t)
+
+
+def _rows_per_chunk(columns: int, acc: torch.dtype, budget: int) -> int:
+    itemsize = 8 if acc == torch.float64 else 4
+    return max(MIN_GEMM_ROWS, budget // max(1, 3 * columns * itemsize))
+
+
+def _load(scratch: torch.Tensor, chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``chunk / temperature`` in the scratch's dtype, padded with -inf to the scratch's width."""
+    r, v = chunk.shape
+    out = scratch[:r]
+    out[:, :v].copy_(chunk)
+    if v < out.shape[1]:
+        out[:, v:].fill_(float("-inf"))
+    if temperature != 1.0:
+        out.div_(temperature)
+    return out
+
+
+def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, budget: int,
+                stats_fn: Optional[TileStats] = None):
+    """Per-tile ``(m, s, t)`` of the shard and the label logits (see the op table), a chunk of rows
+    at a time in a workspace of about ``budget`` bytes."""
+    stats_fn = stats_fn or tile_stats_
+    acc = result_dtype(logits.dtype)
+    lead, width = logits.shape[:-1], logits.shape[-1]
+    n, nt = labels_rows(lead), n_tiles(width, tile)
+    dev = logits.device
+    m = torch.empty(n, nt, dtype=acc, device=dev)
+    s = torch.empty(n, nt, dtype=acc, device=dev)
+    t = torch.empty(n, nt, dtype=acc, device=dev) if with_entropy else None
+    picked = owned = column = None
+    if labels is not None:
+        owned, column = label_columns(labels, vocab_start, width, ignore_index)
+        picked = torch.zeros(n, dtype=acc, device=dev)
+    rows = _rows_per_chunk(nt * tile, acc, budget)
+    scratch = torch.empty(min(rows, max(n, 1)), nt * tile, dtype=acc, device=dev)
+    for start, chunk in chunks(logits, rows):
+        r = chunk.shape[0]
+        z = _load(scratch, chunk, temperature)
+        if picked is not None:
+            sl = slice(start, start + r)
+            got = z.gather(1, column[sl].unsqueeze(1)).squeeze(1)
+            picked[sl] = torch.where(owned[sl], got, picked[sl])
+        cm, cs, ct = stats_fn(z.view(r, nt, tile), with_entropy)
+        m[start:start + r], s[start:start + r] = cm, cs
+        if t is not None:
+            t[start:start + r] = ct
+    tiles = tuple(lead) + (nt,)
+    return (m.view(tiles), s.view(tiles), None if t is None else t.view(tiles),
+            None if picked is None else picked.view(lead))
+
+
+def labels_rows(lead) -> int:
+    n = 1
+    for size in lead:
+        n *= size
+    return n
+
+
+def _dz(z, lse, entropy, g_lp, g_ent, owned, column, temperature) -> torch.Tensor:
+    """In place over ``z`` (rows, columns) = logits / T: the gradient with respect to the logits.
+    ``column`` are the label columns within ``z`` where ``owned``."""
+    logp = z.sub_(lse.unsqueeze(1))
+    p = torch.exp(logp)
+    if g_ent is not None:
+        # -g_ent * p * (log p + H), 0 where p is 0 (masked entries: 0 * -inf)
+        grad = logp.add_(entropy.unsqueeze(1)).mul_(p).masked_fill_(p == 0, 0.0).mul_(-g_ent.unsqueeze(1))
+        if g_lp is not None:
+            grad.sub_(p.mul_(g_lp.unsqueeze(1)))
+    else:
+        grad = p.mul_(-g_lp.unsqueeze(1))
+    if g_lp is not None and owned is not None:
+        _add_at_labels(grad, owned, column, g_lp)
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad
+
+
+def _add_at_labels(grad: torch.Tensor, owned: torch.Tensor, column: torch.Tensor, g: torch.Tensor) -> None:
+    """``grad[i, column[i]] += g[i]`` on the rows where ``owned``, and nothing elsewhere: adding a 0
+    would turn a -0.0 into +0.0, and the bits of a column would then depend on the shard it is in."""
+    rows = owned.nonzero().squeeze(1)
+    if rows.numel():
+        grad.index_put_((rows, column[rows]), g[rows], accumulate=True)
+
+
+def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature,
+               inplace_backward, budget: int):
+    """The shard's gradient, a chunk of rows at a time; over the logits' storage when asked."""
+    acc = lse.dtype
+    width = logits.shape[-1]
+    lse, n = lse.reshape(-1), lse.numel()
+    entropy = None if entropy is None else entropy.reshape(-1)
+    g_lp = None if grad_logprobs is None else grad_logprobs.reshape(-1)
+    g_ent = None if grad_entropy is None else grad_entropy.reshape(-1)
+    owned = column = None
+    if g_lp is not None:
+        owned, column = label_columns(labels, vocab_start, width, None)
+    inplace = inplace_backward and _writable(logits)
+    out = logits.detach() if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    if n == 0:
+        return out
+    rows = _rows_per_chunk(width, acc, budget)
+    scratch = torch.empty(min(rows, n), width, dtype=acc, device=logits.device)
+    flat_out = None if inplace else out.view(-1, width)
+    for start, chunk in chunks(out if inplace else logits, rows):
+        r = chunk.shape[0]
+        sl = slice(start, start + r)
+        z = _load(scratch, chunk, temperature)
+        grad = _dz(z, lse[sl], None if entropy is None else entropy[sl], None if g_lp is None else g_lp[sl],
+                   None if g_ent is None else g_ent[sl], None if owned is None else owned[sl],
+                   None if column is None else column[sl], temperature)
+        (chunk if inplace else flat_out[sl]).copy_(grad)
+    if inplace and hasattr(torch.autograd.graph, "increment_version"):
+        torch.autograd.graph.increment_version(logits)  # its values are gone: stale readers must fail
+    return out
+
+
+def _writable(t: torch.Tensor) -> bool:
+    """No two elements of ``t`` share memory (an expanded tensor cannot take its gradient in place)."""
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1)
+    span = 0
+    for stride, size in dims:
+        if stride <= span:
+            return False
+        span += stride * (size - 1)
+    return True
+
+
+# ------------------------------------------------------------------------- the fused op
+def _weight_tile(weight, bias, c0, c1, acc):
+    """Tile ``[c0, c1)`` of the weight (and bias) in a fresh buffer of the compute dtype."""
+    w = torch.empty((c1 - c0, weight.shape[1]), dtype=acc, device=weight.device)
+    w.copy_(weight[c0:c1])
+    b = None if bias is None else bias[c0:c1].to(acc)
+    return w, b
+
+
+def _tile_logits(h, w, b, temperature, width):
+    """``(h @ w.T + b) / T`` for a block of rows, padded with -inf columns to ``width``."""
+    r = h.shape[0]
+    hp = pad_rows(h)
+    z = hp @ w.t() if b is None else torch.addmm(b, hp, w.t())
+    z = z[:r]
+    if z.shape[1] < width:
+        z = torch.nn.functional.pad(z, (0, width - z.shape[1]), value=float("-inf"))
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
+def _add_matmul(acc_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc_out += a @ b`` through the same matmul path whatever the number of rows."""
+    if a.shape[0] >= MIN_GEMM_ROWS:
+        acc_out.addmm_(a, b)
+    else:
+        tmp = pad_rows(acc_out)
+        tmp.addmm_(pad_rows(a), b)
+        acc_out.copy_(tmp[: acc_out.shape[0]])
+
+
+def _hidden_rows(hidden: torch.Tensor, acc: torch.dtype, budget: int, tile: int) -> int:
+    return _rows_per_chunk(tile, acc, budget)
+
+
+def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy,
+                       budget: int, stats_fn: Optional[TileStats] = None):
+    """Per-tile statistics of ``hidden @ weight.T + bias`` for a weight shard, one tile of logits at a time."""
+    stats_fn = stats_fn or tile_stats_
+    acc = result_dtype(hidden.dtype)
+    lead, hdim = hidden.shape[:-1], hidden.shape[-1]
+    h = hidden.reshape(-1, hdim)
+    n, width = h.shape[0], weight.shape[0]
+    nt = n_tiles(width, tile)
+    dev = hidden.device
+    m = torch.empty(n, nt, dtype=acc, device=dev)
+    s = torch.empty(n, nt, dtype=acc, device=dev)
+    t = torch.empty(n, nt, dtype=acc, device=dev) if with_entropy else None
+    owned, column = label_columns(labels, vocab_start, width, ignore_index)
+    picked = torch.zeros(n, dtype=acc, device=dev)
+    rows = _hidden_rows(h, acc, budget, tile)
+    for j in range(nt):
+        c0, c1 = j * tile, min(width, (j + 1) * tile)
+        w, b = _weight_tile(weight, bias, c0, c1, acc)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            z = _tile_logits(h[r0:r1].to(acc), w, b, temperature, tile)
+            inside = owned[r0:r1] & (column[r0:r1] >= c0) & (column[r0:r1] < c1)
+            got = z.gather(1, (column[r0:r1] - c0).clamp(0, c1 - c0 - 1).unsqueeze(1)).squeeze(1)
+            picked[r0:r1] = torch.where(inside, got, picked[r0:r1])
+            cm, cs, ct = stats_fn(z.view(r1 - r0, 1, tile), with_entropy)
+            m[r0:r1, j], s[r0:r1, j] = cm[:, 0], cs[:, 0]
+            if t is not None:
+                t[r0:r1, j] = ct[:, 0]
+    tiles = tuple(lead) + (nt,)
+    return m.view(tiles), s.view(tiles), None if t is None else t.view(tiles), picked.view(lead)
+
+
+def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start,
+                      temperature, needs_grad, budget: int, tile: int):
+    """This shard's share of the hidden gradient (compute dtype), and the weight and bias shards'
+    gradients (their dtypes), recomputing one tile of logits at a time."""
+    acc = lse.dtype
+    need_h, need_w, need_b = needs_grad
+    need_b = need_b and bias is not None
+    hdim = hidden.shape[-1]
+    h = hidden.reshape(-1, hdim)
+    n, width = h.shape[0], weight.shape[0]
+    dev = hidden.device
+    lse = lse.reshape(-1)
+    entropy = None if entropy is None else entropy.reshape(-1)
+    g_lp = None if grad_logprobs is None else grad_logprobs.reshape(-1)
+    g_ent = None if grad_entropy is None else grad_entropy.reshape(-1)
+    owned, column = label_columns(labels, vocab_start, width, None)
+    gh = torch.zeros(n, hdim, dtype=acc, device=dev) if need_h else None
+    gw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_w else None
+    gb = torch.empty(bias.shape, dtype=bias.dtype, device=dev) if need_b else None
+    rows = _hidden_rows(h, acc, budget, tile)
+    for j in range(n_tiles(width, tile)):
+        c0, c1 = j * tile, min(width, (j + 1) * tile)
+        w, b = _weight_tile(weight, bias, c0, c1, acc)
+        gw_j = torch.zeros(c1 - c0, hdim, dtype=acc, device=dev) if need_w else None
+        gb_j = torch.zeros(c1 - c0, dtype=acc, device=dev) if need_b else None
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            hb = h[r0:r1].to(acc)
+            z = _tile_logits(hb, w, b, temperature, c1 - c0)
+            inside = owned[r0:r1] & (column[r0:r1] >= c0) & (column[r0:r1] < c1)
+            dz = _dz(z, lse[r0:r1], None if entropy is None else entropy[r0:r1],
+                     None if g_lp is None else g_lp[r0:r1], None if g_ent is None else g_ent[r0:r1],
+                     inside, (column[r0:r1] - c0).clamp(0, c1 - c0 - 1), temperature)
+            if need_h:
+                _add_matmul(gh[r0:r1], dz, w)
+            if need_w:
+                gw_j.addmm_(pad_rows(dz).t(), pad_rows(hb))
+            if need_b:
+                gb_j += pad_rows(dz).sum(0)
+        if need_w:
+            gw[c0:c1].copy_(gw_j)
+        if need_b:
+            gb[c0:c1].copy_(gb_j)
+    return None if gh is None else gh.view(hidden.shape), gw, gb

@@ -1,0 +1,214 @@
+"""The conformance section of the vocabulary-parallel path (``process_group=``): for a backend that
+implements the shard ops (``shard_stats``, ``shard_grad``; ``hidden_shard_stats``,
+``hidden_shard_grad`` for the fused op), the public functions over gloo groups of 1, 2 and 4
+spawned processes.
+
+One group of four processes is spawned per backend (``"spawn"``, ``file://`` rendezvous in a fresh
+temporary file, a deadline after which the processes are killed and the tests fail); inside it
+every rank alone, two pairs (one split evenly with the default ``vocab_start``, one unevenly and in
+reverse order with explicit ``vocab_start``) and the group of four run every case
+(:mod:`._distributed_cases`): logprobs, entropy, logprobs_and_entropy and logprobs_from_hidden, in
+float32 and bfloat16, plain and with temperature, ignore_index and masked (-inf) vocabulary, with
+gradients; in-place backward; a vocabulary that is no multiple of the tile. Then the bad inputs.
+
+What is checked:
+
+- every rank of a group returns the same bits, within the numerical contract of the float64
+  reference, and close to the backend's own unsharded call;
+- gradients of each shard (and of hidden, weight and bias) within the contract's tolerances;
+- for a backend declaring ``group_invariant``: results and shard gradients bitwise the same in
+  groups of 1, 2 and 4 (tile-aligned shards);
+- every bad input raises the same error on every rank, and the group stays in step.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+
+from ..harness import Harness
+from ..numerics import assert_close
+from . import _distributed_cases as dc
+from . import covers
+
+SHARD_OPS = ("shard_stats", "shard_grad", "hidden_shard_stats", "hidden_shard_grad")
+#: Seconds before a spawned group counts as hung (its processes are then killed). Generous: a
+#: cold torch.compile cache makes the compiled backend's ranks compile for a minute.
+GROUP_TIMEOUT = 600.0
+COLLECTIVE_TIMEOUT = 180.0
+
+_results: Dict[Tuple[str, str], object] = {}
+
+
+def _selected(lp: Harness) -> List[dc.Case]:
+    """The cases ``lp``'s backend declares what they need for: the ops, with gradients, the dtype."""
+    out = []
+    for case in dc.cases():
+        ops = ("hidden_shard_stats", "hidden_shard_grad") if case.op == "logprobs_from_hidden" else \
+            ("shard_stats", "shard_grad")
+        if all(lp.backend.supports(op) for op in ops) and getattr(torch, case.dtype) in lp.backend.dtypes:
+            out.append(case)
+    return out
+
+
+def _spawned(lp: Harness) -> List[dict]:
+    """Every rank's results of the spawned group for ``lp`` (run once per backend and device)."""
+    lp.require("shard_stats")
+    lp.require("shard_grad", grad=False)
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch build has no torch.distributed with gloo, which the spawned groups use")
+    if not _selected(lp):
+        pytest.skip(f"{lp.name} accepts neither float32 nor bfloat16")
+    key = (lp.name, str(lp.device))
+    if key not in _results:
+        from ...distributed import launch
+
+        names = tuple(c.name for c in _selected(lp))
+        try:
+            ranks = launch.run(dc.WORLD, dc.rank_program, lp.name, str(lp.device), names,
+                               timeout=GROUP_TIMEOUT, collective_timeout=COLLECTIVE_TIMEOUT)
+            _results[key] = [r.unwrap() for r in ranks]
+        except Exception as exc:
+            _results[key] = exc
+    found = _results[key]
+    if isinstance(found, Exception):
+        raise AssertionError(f"the spawned group of {dc.WORLD} failed for {lp.name}: {found}") from found
+    return found
+
+
+def _groups(kind: str) -> List[Tuple[int, ...]]:
+    return {"single": [(0,), (1,), (2,), (3,)], "pair": [(0, 1), (2, 3)], "world": [(0, 1, 2, 3)]}[kind]
+
+
+class DistributedSection:
+    """Conformance of the shard ops through the public functions' ``process_group=`` path."""
+
+    @covers(SHARD_OPS, grad=True)
+    def test_distributed_results_on_every_rank(self, lp: Harness) -> None:
+        """Every rank of groups of 1, 2 and 4 gets the same result, within the contract of the
+        float64 reference and of the backend's own unsharded call."""
+        ranks = _spawned(lp)
+        problems = []
+        for case in _selected(lp):
+            data = dc.inputs(case)
+            want, _ = dc.reference(case, data)
+            tols = dc.output_tolerances(case, data)
+            alone = _unsharded(lp, case, data) or (None,) * len(want)
+            for kind in dc.KINDS:
+                for members in _groups(kind):
+                    first = ranks[members[0]][kind][case.name].outputs
+                    for r in members:
+                        got = ranks[r][kind][case.name].outputs
+                        what = f"{case.name}, group of {len(members)} {members}, rank {r}"
+                        if not all(dc.same_bits(a, b) for a, b in zip(got, first)):
+                            problems.append(f"{what}: not the same bits as rank {members[0]} of its group")
+                        for i, (g, w, a, tol) in enumerate(zip(got, want, alone, tols)):
+                            if g.dtype != lp.result_dtype(getattr(torch, case.dtype)) or g.shape != w.shape:
+                                problems.append(f"{what}: output {i} is {g.dtype} {tuple(g.shape)}")
+                                continue
+                            try:
+                                assert_close(g, w, tol, f"{what}: output {i}")
+                                if a is not None:
+                                    assert_close(g, a.cpu().double(), 2 * tol, f"{what}: output {i} against "
+                                                 f"the unsharded call of {lp.name}")
+                            except AssertionError as exc:
+                                problems.append(str(exc))
+        assert not problems, "\n".join(problems[:12])
+
+    @covers(SHARD_OPS, capability="group_invariant", declared=True)
+    def test_distributed_bitwise_across_group_sizes(self, lp: Harness) -> None:
+        """Shards that start at multiples of the tile: results and shard gradients are the same
+        bits in groups of 1, 2 and 4 (even and uneven splits, any order of the ranks)."""
+        if not lp.backend.group_invariant:
+            pytest.skip(f"{lp.name} does not declare group_invariant=True, so results independent of the "
+                        "group size are not promised")
+        ranks = _spawned(lp)
+        problems = []
+        for case in _selected(lp):
+            if not case.aligned:
+                continue
+            base = ranks[0]["single"][case.name]
+            for kind in dc.KINDS:
+                for r in range(dc.WORLD):
+                    o = ranks[r][kind][case.name]
+                    what = f"{case.name}, group of {len(_groups(kind)[0])}, rank {r}"
+                    if not all(dc.same_bits(a, b) for a, b in zip(o.outputs, base.outputs)):
+                        problems.append(f"{what}: results differ from the group of 1 in their bits")
+                    for name, same in o.bitwise.items():
+                        if not same:
+                            problems.append(f"{what}: the gradient of its {name} shard differs from the same "
+                                            "columns of the group of 1's gradient in its bits")
+                    if kind == "single" and o.digests != base.digests:
+                        problems.append(f"{what}: alone, its gradients differ from rank 0's alone")
+        assert not problems, "\n".join(problems[:12])
+
+    @covers(SHARD_OPS, grad=True)
+    def test_distributed_gradients(self, lp: Harness) -> None:
+        """Gradients of each rank's shard (and of hidden, weight, bias) match float64 autograd of the
+        unsharded call; the complete hidden gradient is the same on every rank of a group;
+        ``inplace_backward`` writes the shard's gradient over it where the backend declares it."""
+        ranks = _spawned(lp)
+        problems = []
+        for case in _selected(lp):
+            for kind in dc.KINDS:
+                for members in _groups(kind):
+                    for r in members:
+                        o = ranks[r][kind][case.name]
+                        what = f"{case.name}, group of {len(members)} {members}, rank {r}"
+                        for name, excess in o.excess.items():
+                            if not excess <= 0:
+                                problems.append(f"{what}: gradient of {name} off by {excess:.3g} beyond the "
+                                                "contract's tolerance (logprob_registry.testing.numerics)")
+                        hidden = o.digests.get("hidden")
+                        if hidden is not None and hidden != ranks[members[0]][kind][case.name].digests["hidden"]:
+                            problems.append(f"{what}: its hidden gradient differs from rank {members[0]}'s")
+                        if case.inplace and lp.backend.inplace_backward and not o.inplace_ok:
+                            problems.append(f"{what}: {lp.name} declares inplace_backward=True but the shard's "
+                                            "storage does not hold its gradient after backward")
+        assert not problems, "\n".join(problems[:12])
+
+    @covers(("shard_stats",))
+    def test_distributed_bad_input_raises_on_every_rank(self, lp: Harness) -> None:
+        """Each bad input raises the same error on every rank (a non-member only on the
+        non-members), with no hang, and the group is in step afterwards."""
+        ranks = _spawned(lp)
+        problems = []
+        for name, (pattern, kind) in dc.BAD_INPUTS.items():
+            if name not in ranks[0]["errors"]:
+                continue
+            got = [ranks[r]["errors"][name] for r in range(dc.WORLD)]
+            raising = [2, 3] if name == "not-a-member" else list(range(dc.WORLD))
+            for r, (etype, message) in enumerate(got):
+                if r not in raising:
+                    if etype:
+                        problems.append(f"{name}: rank {r} raised {etype}: {message}")
+                    continue
+                if etype != kind or not re.search(pattern, message):
+                    problems.append(f"{name}: rank {r} raised {etype or 'nothing'}: {message!r}; expected {kind} "
+                                    f"matching {pattern!r}")
+            if name != "not-a-member" and len({m for _, m in got}) != 1:
+                problems.append(f"{name}: the ranks' messages differ: {[m for _, m in got]}")
+        for r in range(dc.WORLD):
+            etype, message = ranks[r]["errors"]["still-in-step"]
+            if etype:
+                problems.append(f"a good call after the bad ones failed on rank {r}: {etype}: {message}")
+        assert not problems, "\n".join(problems[:12])
+
+
+def _unsharded(lp: Harness, case: dc.Case, data):
+    """The backend's own call without a group (forward only), or None if it lacks the public op."""
+    if not lp.backend.supports(case.op):
+        return None
+    kw = dc.options(case)
+    kw.pop("inplace_backward", None)
+    with torch.no_grad():
+        if case.op == "logprobs_from_hidden":
+            bias = data["bias"].to(lp.device) if "bias" in data else None
+            return lp.call_hidden(data["hidden"].to(lp.device), data["weight"].to(lp.device),
+                                  data["labels"].to(lp.device), bias=bias, **kw)
+        return lp.call(case.op, data["logits"].to(lp.device), data["labels"].to(lp.device), **kw)

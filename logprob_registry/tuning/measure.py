@@ -1,0 +1,175 @@
+"""``logprob-registry tune``'s engine: for each (op, device, dtype, gradients, vocabulary bucket),
+a smoke check of every eligible backend against the float64 reference, then its time at a few row
+counts; the result is a :class:`~.cache.Ranking`.
+
+A backend's time for a key is the geometric mean over the row counts measured, so that every row
+count weighs the same and the ranking depends on the bucket alone (the choice must never depend on
+the number of rows: a row's result would then depend on its batch).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..dtypes import dtype_name
+from ..opspec import OPS
+from ..registry import Key, get_registry, vocab_bucket
+from .cache import Entry, Ranking, key_string, machine
+
+#: The vocabulary size measured for each bucket (typical sizes: GPT-2, Llama-2, Qwen-2).
+VOCABS = (128, 1000, 8000, 32000, 151936)
+ROWS = (16, 256, 2048)
+#: Largest number of logits one measured call gets (fp32: 256 MiB), so a tune stays affordable.
+MAX_ELEMENTS = 1 << 26
+TUNED_OPS = ("logprobs", "logprobs_and_entropy", "entropy")
+
+
+@dataclass
+class Plan:
+    """What to measure."""
+
+    device: str = "cpu"
+    ops: Sequence[str] = ("logprobs", "logprobs_and_entropy")
+    dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16)
+    grads: Sequence[bool] = (False, True)
+    vocabs: Sequence[int] = VOCABS
+    rows: Sequence[int] = ROWS
+    backends: Sequence[str] = ()
+    repeat: int = 5
+    warmup: int = 2
+    max_elements: int = MAX_ELEMENTS
+    seed: int = 0
+    results: List[Tuple[Key, Entry]] = field(default_factory=list)
+
+    def keys(self) -> List[Tuple[Key, int]]:
+        return [(Key(op, self.device, dtype, grad, frozenset(), vocab_bucket(v)), v)
+                for op in self.ops for dtype in self.dtypes for grad in self.grads for v in self.vocabs]
+
+
+def _inputs(op: str, rows: int, vocab: int, dtype: torch.dtype, device: str, grad: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype).to(device)
+    labels = torch.randint(0, vocab, (rows,), generator=g).to(device)
+    if grad:
+        logits.requires_grad_(True)
+    return (logits, labels)[: len(OPS[op].inputs)]
+
+
+def _call(op: str, name: str, inputs, grad: bool):
+    out = OPS[op].public()(*inputs, backend=name)
+    outs = out if isinstance(out, tuple) else (out,)
+    if grad:
+        sum(o.float().sum() for o in outs).backward()
+    return outs
+
+
+def _sync(device: str) -> None:
+    module = getattr(torch, device, None) if device != "cpu" else None
+    if module is not None and hasattr(module, "synchronize"):
+        module.synchronize()
+
+
+def smoke(op: str, name: str, vocab: int, dtype: torch.dtype, device: str, grad: bool) -> Optional[str]:
+    """None when ``name`` agrees with the float64 reference (values, and gradients when ``grad``)
+    on a few rows, else what went wrong."""
+    from .. import reference as ref
+    from ..testing.numerics import assert_close, tolerances
+
+    inputs = _inputs(op, 4, vocab, dtype, device, grad, seed=12345)
+    try:
+        outs = _call(op, name, inputs, grad)
+    except Exception as exc:  # a backend that raises is not ranked
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    x = inputs[0].detach().cpu().double().requires_grad_(grad)
+    y = inputs[1].cpu() if len(inputs) > 1 else None
+    want = {"logprobs": lambda: (ref.logprobs(x, y),), "entropy": lambda: (ref.entropy(x),),
+            "logprobs_and_entropy": lambda: tuple(ref.logprobs_and_entropy(x, y))}[op]()
+    try:
+        for got, expected, tol in zip(outs, want, tolerances(op, x)):
+            assert_close(got, expected, tol, f"{name} {op}")
+        if grad:
+            sum(w.sum() for w in want).backward()
+            atol = 4 * max(tolerances(op, x))
+            assert_close(inputs[0].grad, x.grad, atol, f"{name} {op} gradient",
+                         rtol=max(torch.finfo(dtype).eps, 4 * torch.finfo(torch.float32).eps))
+    except AssertionError as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+def time_call(op: str, name: str, rows: int, vocab: int, dtype: torch.dtype, device: str, grad: bool,
+              repeat: int, warmup: int, seed: int) -> float:
+    """Median seconds of one call (with its backward when ``grad``) after ``warmup`` calls."""
+    inputs = _inputs(op, rows, vocab, dtype, device, grad, seed)
+    times = []
+    for i in range(warmup + repeat):
+        if grad:
+            inputs[0].grad = None
+        _sync(device)
+        start = time.perf_counter()
+        with torch.set_grad_enabled(grad):
+            _call(op, name, inputs, grad)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(plan: Plan, progress: Callable[[str], None] = lambda text: None) -> Ranking:
+    """Measure ``plan``; the ranking of every key measured."""
+    registry = get_registry()
+    env = registry.environment()
+    versions = registry.plugins_set.versions()
+    entries: Dict[str, Entry] = {}
+    measured_backends = set()
+    for key, vocab in plan.keys():
+        verdicts = [v for v in registry.verdicts(key) if v.reason is None and v.broken is None]
+        names = [v.name for v in verdicts if not plan.backends or v.name in plan.backends]
+        entry = Entry(times={}, vocab=vocab)
+        for name in names:
+            problem = smoke(key.op, name, vocab, key.dtype, key.device, key.requires_grad)
+            if problem:
+                entry.failed[name] = problem
+                progress(f"  {name}: failed the smoke check: {problem}")
+                continue
+            per_rows = {}
+            for rows in plan.rows:
+                if rows * vocab > plan.max_elements:
+                    continue
+                per_rows[str(rows)] = time_call(key.op, name, rows, vocab, key.dtype, key.device,
+                                                key.requires_grad, plan.repeat, plan.warmup, plan.seed)
+            if not per_rows:
+                continue
+            entry.rows[name] = per_rows
+            entry.times[name] = math.exp(statistics.fmean(math.log(t) for t in per_rows.values()))
+            measured_backends.add(name)
+        entries[key_string(key.op, key.device, key.dtype, key.requires_grad, key.vocab)] = entry
+        plan.results.append((key, entry))
+        progress(describe(key, entry))
+    info = env.devices.get(plan.device)
+    return Ranking(
+        torch=str(env.torch_version),
+        machines={plan.device: machine(plan.device, tuple(info.names) if info else ())},
+        versions={name: versions.get(name, "") for name in sorted(measured_backends)},
+        entries=entries,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def describe(key: Key, entry: Entry) -> str:
+    """One line per key: the measured backends fastest first, with their times."""
+    order = entry.order()
+    if not order:
+        return f"{key.describe()} (V={entry.vocab}): nothing measured"
+    best = entry.times[order[0]]
+    parts = [f"{name} {entry.times[name] * 1e3:.3g} ms ({entry.times[name] / best:.2f}x)" for name in order]
+    failed = "".join(f"; {name} failed the smoke check" for name in entry.failed)
+    return f"{key.op} {dtype_name(key.dtype)} {'fwd+bwd' if key.requires_grad else 'fwd'} V={entry.vocab}: " \
+           + ", ".join(parts) + failed

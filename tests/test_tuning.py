@@ -1,0 +1,177 @@
+"""Measured, size-aware selection: vocabulary buckets, min_vocab, the tuning ranking (its file, its
+validity, how selection and explain follow it), `logprob-registry tune`, and batch invariance of
+the automatic choice."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import logprob_registry as lr
+from logprob_registry.cli import main
+from logprob_registry.environment import Environment
+from logprob_registry.registry import Key, Registry, vocab_bucket
+from logprob_registry.registry.key import bucket_range
+from logprob_registry.tuning import cache
+
+
+def _op(logits, labels=None, **kw):
+    return torch.zeros(logits.shape[:-1])
+
+
+class Three:
+    @lr.hookimpl
+    def register_backends(self, register):
+        register(lr.Backend(name="fast-big", ops={"logprobs": _op}, priority=20, min_vocab=4096))
+        register(lr.Backend(name="middle", ops={"logprobs": _op}, priority=10))
+        register(lr.Backend(name="slow", ops={"logprobs": _op}, priority=0))
+
+
+ENV = Environment.fake(torch="2.6.0")
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", str(tmp_path / "tuning.json"))
+    reg = Registry(builtins=(), entry_points=False, environment=ENV)
+    reg.add_plugin(Three(), name="three")
+    return reg
+
+
+def _write(path, entries, torch_version="2.6.0", versions=None, machine=None):
+    ranking = cache.Ranking(torch_version, {"cpu": machine or cache.machine("cpu", ("fake CPU",))},
+                            versions or {}, {k: cache.Entry(**v) for k, v in entries.items()})
+    ranking.save(str(path))
+
+
+def test_buckets():
+    assert [vocab_bucket(v) for v in (1, 256, 257, 1000, 2048, 32000, 50257, 151936, 262144, 262145, 0)] == \
+        [256, 256, 2048, 2048, 2048, 65536, 65536, 262144, 262144, -1, 0]
+    assert bucket_range(2048) == (257, 2048) and bucket_range(-1) == (262145, None)
+
+
+def test_min_vocab_passes_a_backend_over_for_small_vocabularies_only(registry):
+    small = registry.explain(Key("logprobs", "cpu", torch.float32, False, vocab=vocab_bucket(1000)))
+    assert small.chosen == "middle"
+    assert small["fast-big"].status == "skipped"
+    assert small["fast-big"].why == ("not worth it for vocabularies of 257 to 2048 (declares min_vocab=4096); "
+                                     "choose it explicitly to use it anyway")
+    big = registry.explain(Key("logprobs", "cpu", torch.float32, False, vocab=vocab_bucket(32000)))
+    assert big.chosen == "fast-big"
+    # unknown size (select() without a shape): no size rule applies
+    assert registry.explain(Key("logprobs", "cpu", torch.float32, False)).chosen == "fast-big"
+    # an explicit choice is never passed over
+    assert registry.select(Key("logprobs", "cpu", torch.float32, False, vocab=2048), backend="fast-big").name == "fast-big"
+
+
+def test_a_ranking_orders_what_it_measured_and_explain_shows_the_times(registry, tmp_path):
+    key = cache.key_string("logprobs", "cpu", torch.float32, False, 65536)
+    _write(tmp_path / "tuning.json", {key: dict(times={"slow": 0.002, "middle": 0.004}, vocab=32000)})
+    report = registry.explain(Key("logprobs", "cpu", torch.float32, False, vocab=65536))
+    assert report.chosen == "slow"
+    assert [c.name for c in report.candidates] == ["slow", "middle", "fast-big"]  # measured first, then priority
+    text = str(report)
+    assert "measured" in text and "2 ms" in text and "4 ms" in text
+    # other keys keep the priority order
+    assert registry.explain(Key("logprobs", "cpu", torch.float32, True, vocab=65536)).chosen == "fast-big"
+
+
+def test_a_measurement_beats_a_min_vocab_declaration_and_a_failed_smoke_check_is_passed_over(registry, tmp_path):
+    key = cache.key_string("logprobs", "cpu", torch.float32, False, 2048)
+    _write(tmp_path / "tuning.json", {key: dict(times={"fast-big": 0.001, "middle": 0.003},
+                                               failed={"slow": "logprobs output 0: max error 0.3 exceeds ..."})})
+    report = registry.explain(Key("logprobs", "cpu", torch.float32, False, vocab=2048))
+    assert report.chosen == "fast-big"
+    assert report["slow"].why == "failed the tuning smoke check: logprobs output 0: max error 0.3 exceeds ..."
+
+
+@pytest.mark.parametrize("stale, why", [
+    (dict(torch_version="2.5.0"), "it was measured with torch 2.5.0, this is torch 2.6.0"),
+    (dict(versions={"middle": "other-plugin 0.9"}), "backend middle was other-plugin 0.9 when measured, now "),
+    (dict(machine={"cpu": "another CPU", "cpu_count": 1, "platform": "x", "device": "cpu",
+                   "device_names": ["fake CPU"]}), "it was measured on another machine (cpu: 'another CPU'"),
+])
+def test_a_ranking_from_another_machine_or_version_is_ignored_with_one_warning(registry, tmp_path, stale, why):
+    key = cache.key_string("logprobs", "cpu", torch.float32, False, 65536)
+    _write(tmp_path / "tuning.json", {key: dict(times={"slow": 0.001})}, **stale)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            registry.reset()
+            assert registry.explain(Key("logprobs", "cpu", torch.float32, False, vocab=65536)).chosen == "fast-big"
+    messages = [str(w.message) for w in record if issubclass(w.category, cache.TuningWarning)]
+    assert len(messages) == 1 and why in messages[0], messages
+    assert "logprob-registry tune" in messages[0]
+    assert "ignored for cpu" in registry.tuning_status()
+
+
+def test_tuning_off_and_a_broken_file(registry, tmp_path, monkeypatch):
+    path = tmp_path / "tuning.json"
+    key = cache.key_string("logprobs", "cpu", torch.float32, False, 65536)
+    _write(path, {key: dict(times={"slow": 0.001})})
+    monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", "off")
+    assert registry.explain(Key("logprobs", "cpu", torch.float32, False, vocab=65536)).chosen == "fast-big"
+    assert registry.tuning_status().startswith("tuning: off")
+    monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", str(path))
+    path.write_text("{not json")
+    with pytest.warns(cache.TuningWarning, match="cannot read"):
+        assert registry.explain(Key("logprobs", "cpu", torch.float32, False, vocab=65536)).chosen == "fast-big"
+
+
+def test_tune_measures_writes_and_selection_follows(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "ranking.json"
+    monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", str(path))
+    assert main(["tune", "--op", "logprobs", "--dtype", "float32", "--grad", "no", "--vocab", "100",
+                 "--rows", "4", "--repeat", "1", "--backend", "naive", "--backend", "chunked"]) == 0
+    out = capsys.readouterr().out
+    assert "logprobs float32 fwd V=100:" in out and f"wrote 1 keys to {path}" in out
+    doc = json.loads(path.read_text())
+    entry = doc["entries"]["logprobs|cpu|float32|nograd|256"]
+    assert set(entry["times"]) == {"naive", "chunked"} and entry["rows"]["naive"].keys() == {"4"}
+    fastest = min(entry["times"], key=entry["times"].get)
+    try:
+        assert lr.select("logprobs", device="cpu", shape=(3, 100)).name == fastest
+        assert "measured" in str(lr.explain("logprobs", device="cpu", shape=(3, 100)))
+        assert main(["info"]) == 0
+        assert f"tuning: {path}, 1 keys measured, in use for cpu" in capsys.readouterr().out
+    finally:
+        monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", "off")
+        lr.get_registry().reset()
+
+
+def test_tune_usage_errors(capsys):
+    assert main(["tune", "--op", "nope"]) == 2
+    assert "--op takes logprobs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["tune", "--vocab", "0"])
+
+
+@pytest.mark.parametrize("tuned", [False, True])
+def test_the_automatic_choice_is_batch_invariant(tmp_path, monkeypatch, tuned):
+    """The same row alone and inside batches of 64 and 4096 rows gives the same bits, with and
+    without a tuning ranking (selection depends on the vocabulary's bucket, never on the rows)."""
+    path = tmp_path / "ranking.json"
+    monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", str(path) if tuned else "off")
+    if tuned:  # a ranking that prefers naive for this bucket, the others another order
+        key = cache.key_string("logprobs_and_entropy", "cpu", torch.float32, False, 2048)
+        env = lr.get_registry().environment()
+        versions = lr.get_registry().plugins_set.versions()
+        ranking = cache.Ranking(str(env.torch_version), {"cpu": cache.machine("cpu", env.devices["cpu"].names)},
+                                {n: versions[n] for n in ("naive", "chunked")},
+                                {key: cache.Entry({"naive": 0.001, "chunked": 0.002})})
+        ranking.save(str(path))
+    lr.get_registry().reset()
+    try:
+        g = torch.Generator().manual_seed(0)
+        big = torch.randn(4096, 1000, generator=g) * 3
+        labels = torch.randint(0, 1000, (4096,), generator=g)
+        rows = {n: lr.logprobs_and_entropy(big[:n], labels[:n]) for n in (1, 64, 4096)}
+        chosen = lr.select("logprobs_and_entropy", device="cpu", shape=big.shape).name
+        assert chosen == ("naive" if tuned else lr.select("logprobs_and_entropy", device="cpu").name)
+        for n in (64, 4096):
+            for alone, inside in zip(rows[1], rows[n]):
+                assert torch.equal(alone[0], inside[0]), f"row 0 alone differs from row 0 of {n} ({chosen})"
+    finally:
+        monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", "off")
+        lr.get_registry().reset()
