@@ -321,3 +321,12 @@ def test_two_processes_building_at_once_leave_one_whole_package(tmp_path):
     assert sorted(o[0].strip() for o in outs) == ["built", "present"]
     packages = [n for n in os.listdir(tmp_path) if n.endswith(".pt2")]
     assert len(packages) == 1 and os.path.getsize(tmp_path / packages[0]) == 20000
+
+
+def test_two_rows_of_one_storage_keep_their_labels(use, spy):
+    """A user's ``row.expand(2, V)`` looks like the single-row pair the forward makes: both labels count."""
+    row = torch.randn(1, V)
+    labels = torch.tensor([3, 4000])
+    out = lr.logprobs_from_logits(row.expand(2, V), labels, backend="compiled")
+    assert spy == []
+    torch.testing.assert_close(out.double(), expected(row.expand(2, V), labels), rtol=1e-5, atol=1e-5)

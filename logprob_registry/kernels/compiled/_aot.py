@@ -267,16 +267,13 @@ def run(name: str, args: tuple):
 
 
 def _forward(package: _Package, x, idx, k):
-    single = x.shape[0] == 2 and x.stride(0) == 0  # one row run as two views of itself (_ops._row_stats)
-    if single:
-        x, idx = x[:1], idx[:1]
+    if x.shape[0] == 2 and x.stride(0) == 0:  # one row run as two views of itself (_ops._row_stats)
+        x = x.contiguous()  # 2 x V: the package's rows are V apart
     if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) != x.shape[1]):
         return MISSING
-    lead = x.shape[:-1] + (1,)
-    if not _column(idx, lead, torch.int64) or not isinstance(k, float):
+    if not _column(idx, x.shape[:-1] + (1,), torch.int64) or not isinstance(k, float):
         return MISSING
-    outs = package([x, idx, torch.tensor(k, dtype=torch.float64)])
-    return tuple(t.expand(2, 1) for t in outs) if single else tuple(outs)
+    return tuple(package([x, idx, torch.tensor(k, dtype=torch.float64)]))
 
 
 def _backward(package: _Package, inplace: bool, x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t):
