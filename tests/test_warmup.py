@@ -73,16 +73,16 @@ def case(rows=3, steps=4, vocab=V, dtype=torch.float32, seed=0):
     return logits, labels
 
 
-def fwd_bwd(logits, labels, sliced=False, view=None, **kw):
-    """Log-probabilities and the gradient of a weighted sum (``sliced``: of ``logits[:, :-1]``;
-    ``view``: of that view of the logits)."""
+def fwd_bwd(logits, labels, sliced=False, view=None, weighted=True, **kw):
+    """Log-probabilities and the gradient of a weighted sum, or of the sum (``sliced``: of
+    ``logits[:, :-1]``; ``view``: of that view of the logits)."""
     leaf = logits.detach().clone().requires_grad_(True)
     x, y = (leaf[:, :-1], labels[:, 1:]) if sliced else (leaf, labels)
     x = x if view is None else view(x)
     if kw.get("inplace_backward"):
         x = x * 1.0
     out = lr.logprobs_from_logits(x, y, backend="compiled", ignore_index=-100, **kw)
-    weights = torch.linspace(0.5, 1.5, out.numel()).view(out.shape)
+    weights = torch.linspace(0.5, 1.5, out.numel()).view(out.shape) if weighted else 1.0
     (out * weights).sum().backward()
     return out.detach(), leaf.grad
 
@@ -183,11 +183,22 @@ def test_packages_give_the_torch_compile_bits(use, monkeypatch, kind):
     torch.testing.assert_close(got[0].double(), expected(x, y.long(), kw["temperature"]), rtol=1e-5, atol=1e-5)
 
 
-def test_packages_are_batch_invariant(use, spy):
-    logits, labels = case(rows=64, steps=1, seed=2)
-    batch = lr.logprobs_from_logits(logits, labels, backend="compiled", ignore_index=-100)
-    alone = lr.logprobs_from_logits(logits[5:6], labels[5:6], backend="compiled", ignore_index=-100)
-    assert torch.equal(batch[5:6], alone) and spy == []
+def test_packages_are_batch_invariant(use, monkeypatch):
+    """A row alone gives the bits it gets in a batch: both through the package (contiguous rows), or
+    the batch through torch.compile (row-strided: no package fits) and the row through the package
+    (a single row fits whatever the row stride): the two paths give the same bits."""
+    compiled_names = []
+    real = _kernels._kernel
+    monkeypatch.setattr(_kernels, "_kernel", lambda name: compiled_names.append(name) or real(name))
+    g = torch.Generator().manual_seed(2)
+    logits, labels = torch.randn(64, V, generator=g) * 3, torch.randint(0, V, (64,), generator=g)
+    wide = torch.cat([logits, logits], -1)
+    for kind, x, view in (("contiguous", logits, None), ("row-strided", wide, lambda t: t[..., :V])):
+        batch = fwd_bwd(x, labels, view=view, weighted=False)
+        for row in (0, 5, 63):
+            alone = fwd_bwd(x[row:row + 1], labels[row:row + 1], view=view, weighted=False)
+            assert torch.equal(batch[0][row:row + 1], alone[0]) and torch.equal(batch[1][row:row + 1], alone[1]), kind
+        assert compiled_names == ([] if kind == "contiguous" else ["fwd_logprobs", "bwd", "bwd"]), kind
 
 
 @pytest.mark.parametrize("kind", ["strided-vocabulary", "strided-rows", "float64", "small-vocabulary"])
@@ -219,6 +230,8 @@ def test_the_packages_check_what_they_run():
     assert _aot._forward(None, x[:, ::2], idx, k) is _aot.MISSING
     assert _aot._forward(None, x, idx[:3], k) is _aot.MISSING
     assert _aot._forward(None, x, torch.zeros(4, 2, dtype=torch.int64)[:, :1], k) is _aot.MISSING
+    pair = torch.randn(V, 2)[:, :1].t().expand(2, V)  # a single row of a vocabulary-strided batch
+    assert _aot._forward(None, pair, idx[:2], k) is _aot.MISSING
     m = torch.zeros(4, 1)
     args = (idx, m, m, None, m, None, k, 1.0)
     assert _aot._backward(None, False, x, idx.int(), *args[1:]) is _aot.MISSING

@@ -267,8 +267,8 @@ def run(name: str, args: tuple):
 
 
 def _forward(package: _Package, x, idx, k):
-    if x.shape[0] == 2 and x.stride(0) == 0:  # one row run as two views of itself (_ops._row_stats)
-        x = x.contiguous()  # 2 x V: the package's rows are V apart
+    if x.shape[0] == 2 and x.stride(0) == 0 and x.stride(1) == 1:  # a row as two views of itself
+        x = x.contiguous()  # 2 x V: the package's rows are V apart (_ops._row_stats makes the pair)
     if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) != x.shape[1]):
         return MISSING
     if not _column(idx, x.shape[:-1] + (1,), torch.int64) or not isinstance(k, float):
