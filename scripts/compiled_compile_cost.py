@@ -1,27 +1,35 @@
 #!/usr/bin/env python3
-"""First-call cost of the ``compiled`` backend: what torch.compile adds, once per process.
+"""First call of the ``compiled`` backend in a fresh process: cold, warm, and with prebuilt kernels.
 
-Each measurement runs in a fresh process. "cold": an empty inductor cache directory (a first run on
-a machine); "warm": the same directory again (inductor's on-disk caches hit; dynamo still traces).
-The cost is the first call's time minus the median of the next calls.
+Each run is a fresh process that imports torch and logprob_registry (not counted), then times its
+first call and the median of the next three (forward + backward of logprobs by default):
 
-  scripts/compiled_compile_cost.py [--shape B,T,V] [--dtype float32]
+- ``cold``: an empty inductor cache and no prebuilt kernels (a first run on a machine);
+- ``warm``: inductor's on-disk cache filled by an earlier, unmeasured process; no prebuilt kernels;
+- ``prebuilt``: kernels built by ``logprob_registry.warmup.warmup`` (timed once, before the runs;
+  skipped when ``--kernel-cache`` already holds them), an empty inductor cache.
 
-Not a bench option: bench times steady calls after warm-up, in one process per method, and says
-nothing of the first call or of inductor's on-disk cache. Kept until issue #16's
-``logprob-registry warmup`` and its first-call measurements replace it (the README's first-call
-figures come from this script).
+  scripts/compiled_compile_cost.py [--shape B,T,V] [--dtype float32] [--repeat 3]
+                                   [--modes cold,warm,prebuilt] [--forward] [--kernel-cache PATH]
+
+Prints one line per run, then the median and range per mode. To measure another checkout of the
+project (the code before prebuilt kernels, say), put it first on PYTHONPATH and pass
+``--modes cold,warm``: the child prints which ``logprob_registry`` it imported.
 """
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 
 CHILD = r'''
-import json, sys, time, torch
+import json, sys, time
+start = time.perf_counter()
+import torch
 import logprob_registry as lr
+imported = time.perf_counter() - start
 B, T, V = map(int, sys.argv[1].split(",")); dt = getattr(torch, sys.argv[2]); grad = sys.argv[3] == "1"
 torch.manual_seed(0)
 x = torch.randn(B, T, V, dtype=dt); y = torch.randint(0, V, (B, T))
@@ -32,29 +40,72 @@ def call():
     if grad:
         out.sum().backward()
     return time.perf_counter() - t
-first = call(); rest = sorted(call() for _ in range(5))
-print(json.dumps(dict(first=first, steady=rest[2])))
+first = call(); rest = sorted(call() for _ in range(3))
+try:
+    from logprob_registry.kernels.compiled import _aot
+    loaded = len(_aot.loaded)
+except ImportError:  # a checkout without prebuilt kernels
+    loaded = None
+print(json.dumps(dict(first=first, steady=rest[1], imported=imported, dynamo="torch._dynamo" in sys.modules,
+                      loaded=loaded, module=lr.__file__)))
 '''
 
 
+def child(args, grad: str, env: dict) -> dict:
+    p = subprocess.run([sys.executable, "-c", CHILD, args.shape, args.dtype, grad],
+                       capture_output=True, text=True, env=env)
+    if p.returncode:
+        raise SystemExit(f"child failed: {p.stderr.strip()[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="4,1024,32768")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--repeat", type=int, default=3, help="fresh processes per mode (default 3)")
+    ap.add_argument("--modes", default="cold,warm,prebuilt")
+    ap.add_argument("--forward", action="store_true", help="also time the forward alone")
+    ap.add_argument("--kernel-cache", default=None, metavar="PATH",
+                    help="prebuilt kernels' folder (default: a new temporary one, built here)")
     a = ap.parse_args()
-    print(f"shape {a.shape} {a.dtype}: first-call cost (first call - steady call), one fresh process each")
-    for grad, what in (("0", "forward"), ("1", "forward+backward")):
-        with tempfile.TemporaryDirectory() as cache:
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
-            for kind in ("cold", "warm"):
-                p = subprocess.run([sys.executable, "-c", CHILD, a.shape, a.dtype, grad],
-                                   capture_output=True, text=True, env=env)
-                if p.returncode:
-                    print(f"  {what:17s} {kind}: ERROR {p.stderr.strip().splitlines()[-1:]}")
-                    continue
-                r = json.loads(p.stdout.strip().splitlines()[-1])
-                print(f"  {what:17s} {kind}: {r['first'] - r['steady']:6.2f} s  "
-                      f"(first call {r['first']:.2f} s, steady {r['steady'] * 1e3:.1f} ms)")
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    work = tempfile.mkdtemp(prefix="first_call_")
+    base = dict(os.environ, LOGPROB_REGISTRY_KERNEL_CACHE="off")
+    whats = ([("0", "forward")] if a.forward else []) + [("1", "forward+backward")]
+    print(f"shape {a.shape} {a.dtype}; first call and steady call (median of the next 3), in seconds; "
+          f"one fresh process per line")
+    if "prebuilt" in modes:
+        folder = a.kernel_cache or os.path.join(work, "kernels")
+        build = (f"import time, torch; from logprob_registry.warmup import warmup, summary; t = time.perf_counter(); "
+                 f"done = warmup(['logprobs'], [{a.dtype!r}], backward=True, vocab=[{a.shape.split(',')[-1]}], "
+                 f"folder={folder!r}); print(summary(done, time.perf_counter() - t))")
+        p = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True,
+                           env=dict(base, TORCHINDUCTOR_CACHE_DIR=os.path.join(work, "inductor-build")))
+        if p.returncode:
+            raise SystemExit(f"warmup failed: {p.stderr.strip()[-2000:]}")
+        print(f"warmup (logprobs forward + backward) into {folder}: {p.stdout.strip()}")
+    for grad, what in whats:
+        warm_dir = os.path.join(work, f"inductor-warm-{grad}")
+        for mode in modes:
+            firsts = []
+            for i in range(a.repeat):
+                if mode == "cold":
+                    env = dict(base, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(dir=work))
+                elif mode == "warm":
+                    env = dict(base, TORCHINDUCTOR_CACHE_DIR=warm_dir)
+                    if i == 0:
+                        child(a, grad, env)  # fills the cache, not measured
+                else:
+                    env = dict(base, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(dir=work),
+                               LOGPROB_REGISTRY_KERNEL_CACHE=folder)
+                r = child(a, grad, env)
+                firsts.append(r["first"])
+                print(f"  {what:17s} {mode:8s} first {r['first']:6.2f}  steady {r['steady']:5.2f}  "
+                      f"(import {r['imported']:.2f}, dynamo imported: {r['dynamo']}, packages loaded: {r['loaded']}, "
+                      f"{os.path.dirname(os.path.dirname(r['module']))})", flush=True)
+            print(f"{what:17s} {mode:8s} first call: median {statistics.median(firsts):.2f} s "
+                  f"({min(firsts):.2f}-{max(firsts):.2f}) over {len(firsts)} processes", flush=True)
 
 
 if __name__ == "__main__":

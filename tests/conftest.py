@@ -1,6 +1,13 @@
+import os
+
 import pytest
 
 from logprob_registry import environment
+
+# A developer's prebuilt kernels (`logprob-registry warmup`) would stand in for the compiled
+# backend's torch.compile path, whose compiles and failures tests count: none are loaded, here or
+# in the tests' subprocesses, except from the folders tests/test_warmup.py builds.
+os.environ["LOGPROB_REGISTRY_KERNEL_CACHE"] = "off"
 
 
 @pytest.fixture

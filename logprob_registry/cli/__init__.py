@@ -19,6 +19,7 @@ COMMANDS = {
     "bench": ("logprob_registry.cli.bench", "time and measure every eligible backend on this machine"),
     "tune": ("logprob_registry.cli.tune", "measure the eligible backends and write the ranking selection follows"),
     "parity": ("logprob_registry.cli.parity", "generate()'s sampled logprobs against the registry's replay"),
+    "warmup": ("logprob_registry.cli.warmup", "build the compiled backend's kernels ahead, for fast first calls"),
 }
 
 

@@ -8,7 +8,8 @@ temperature. How it works, what it costs the first time, and its measured number
 docs/backends/compiled.md.
 
 Modules: :mod:`._kernels` (the kernels and their compilation), :mod:`._ops` (layout, forward,
-autograd), :mod:`._shards` (the vocabulary-parallel ops behind ``process_group=``).
+autograd), :mod:`._aot` (prebuilt kernels, built by ``logprob-registry warmup``), :mod:`._shards`
+(the vocabulary-parallel ops behind ``process_group=``).
 """
 
 from __future__ import annotations

@@ -8,10 +8,13 @@ first use, with dynamic shapes, and turns any failure to compile or run into a
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 from typing import Callable, Dict, Optional
 
 import torch
+
+from . import _aot  # imports this module back, for the kernels, at call time
 
 TORCH_SPEC = ">=2.6"
 # split_reductions off: a row is reduced inside one program, so that its result never depends on
@@ -182,9 +185,11 @@ def compile_counts() -> Dict[str, Optional[int]]:
 
 
 def reset() -> None:
-    """Forget every compiled kernel (tests use it to compile afresh)."""
+    """Forget every compiled kernel and loaded package (tests use it to compile afresh)."""
+    _aot.forget()
     with _lock:
         _compiled.clear()
+        _noticed.clear()
         for f in KERNELS.values():
             torch._dynamo.reset_code(f.__code__)
 
@@ -193,8 +198,41 @@ class CompileError(RuntimeError):
     """torch.compile failed for one of this backend's kernels."""
 
 
+log = logging.getLogger("logprob_registry")
+_noticed: set = set()
+#: What a first compile costs, by device type (measured on this project's 2-core CPU, torch 2.13).
+EXPECTED_WAIT = {"cpu": "15-25 s on a small CPU with an empty inductor cache, a few seconds when an earlier "
+                        "process left it in inductor's on-disk cache"}
+
+
+def _notice(name: str, x: torch.Tensor) -> None:
+    """Say once per process and kind of kernel (name, device type, dtype) that a call is about to
+    wait for torch.compile: a WARNING on logger "logprob_registry"."""
+    kind = (name, x.device.type, x.dtype)
+    if kind in _noticed:
+        return
+    with _lock:
+        if kind in _noticed:
+            return
+        _noticed.add(kind)
+    wait = EXPECTED_WAIT.get(x.device.type, "tens of seconds with an empty inductor cache")
+    dtype = str(x.dtype).replace("torch.", "")
+    ahead = (f"`logprob-registry warmup --dtype {dtype}` builds it ahead, once per machine, and a later "
+             "process then loads it in well under a second (docs/backends/compiled.md, \"First call\")"
+             if x.device.type == "cpu" and name in _aot.FORWARD + _aot.BACKWARD else
+             "make one small call at start-up to pay it before the first training step")
+    log.warning("logprob_registry: backend 'compiled' is compiling its %s kernel for %s %s logits with "
+                "torch.compile (inductor), once per process: this call waits %s; %s.",
+                name, x.device.type, dtype, wait, ahead)
+
+
 def _run(name: str, *args):
-    """Run compiled kernel ``name``; a failure to compile or run becomes a :class:`CompileError`."""
+    """Run kernel ``name``: through its prebuilt package when one fits the call (:mod:`._aot`), else
+    compiled by torch.compile; a failure to compile or run becomes a :class:`CompileError`."""
+    done = _aot.run(name, args)
+    if done is not _aot.MISSING:
+        return done
+    _notice(name, args[0])
     try:
         with torch.no_grad():  # one grad mode for every call: the kernels specialise on it
             return _kernel(name)(*args)
