@@ -22,7 +22,7 @@ from typing import Optional
 import logprob_registry as lr
 from logprob_registry.dtypes import FLOAT_DTYPES
 
-from . import _kernels, _ops
+from . import _hidden, _kernels, _ops
 from ._kernels import INDUCTOR_OPTIONS, KERNELS, RECOMPILE_LIMIT, TORCH_SPEC, CompileError, compile_counts
 
 __all__ = ["INDUCTOR_OPTIONS", "KERNELS", "RECOMPILE_LIMIT", "TORCH_SPEC", "CompileError", "available",
@@ -45,6 +45,7 @@ def reset() -> None:
     """Forget every compiled kernel and warm-up of this backend (tests use it to compile afresh)."""
     _kernels.reset()
     _ops.reset()
+    _hidden.reset()
 
 
 # --------------------------------------------------------------------------- eligibility
@@ -100,7 +101,8 @@ def available(env, device: str) -> Optional[str]:
 def register_backends(register):
     register(lr.Backend(
         name="compiled",
-        ops={"logprobs": logprobs, "entropy": entropy, "logprobs_and_entropy": logprobs_and_entropy},
+        ops={"logprobs": logprobs, "entropy": entropy, "logprobs_and_entropy": logprobs_and_entropy,
+             "logprobs_from_hidden": _hidden.logprobs_from_hidden},
         devices={"cpu", "cuda"},
         dtypes=set(FLOAT_DTYPES),
         priority=20,
@@ -110,7 +112,7 @@ def register_backends(register):
         inplace_backward=True,
         batch_invariant=True,
         deterministic=True,
-        features={"softcap"},
+        features={"softcap", "logits_dtype"},
         description="torch.compile (inductor) of the row statistics and of the one-pass gradient; "
                     "no N x V temporary; compiles once per kind of call and process",
     ))
