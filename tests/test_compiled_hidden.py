@@ -61,29 +61,33 @@ def call(hidden, weight, labels, **kw):
 
 # --------------------------------------------------------------------------------- the tile plan
 def test_plan_does_not_depend_on_the_number_of_tokens():
-    assert ch.plan(32768, "cpu") == ch.Plan(1024, 1024, False)
-    assert ch.plan(300, "cpu") == ch.Plan(1024, 300, False)  # one block for a small vocabulary
-    assert ch.plan(32768, "cuda").fixed_rows  # accelerators: one matmul shape
-    assert ch.plan(1, "cpu").cols == 1
+    f32 = torch.float32
+    assert ch.plan(32768, 2048, f32, "cpu") == ch.Plan(4096, 1024, False)
+    assert ch.plan(300, 2048, f32, "cpu") == ch.Plan(4096, 300, False)  # one block for a small vocabulary
+    assert ch.plan(32768, 2048, f32, "cuda") == ch.Plan(1024, 8192, True)  # accelerators: one matmul shape
+    assert ch.plan(1, 2048, f32, "cpu").cols == 1
+    # a tile of bf16 hidden rows upcast to fp32 fits UPCAST_BYTES
+    assert ch.plan(32768, 2048, torch.bfloat16, "cpu").rows * 2048 * 4 == ch.UPCAST_BYTES
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 1023, 1024, 1025, 1039, 1040, 3000])
 def test_row_tiles_cover_every_row_once_and_none_is_short(n):
-    p = ch.plan(50000, "cpu")
+    p = ch.plan(50000, 64, torch.float32, "cpu")._replace(rows=1024)
     bounds = ch.row_tiles(n, p)
     assert bounds[0][0] == 0 and bounds[-1][1] == n
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     assert all(r1 - r0 <= p.rows for r0, r1 in bounds)
     if n >= MIN_GEMM_ROWS:  # only a call of fewer rows than the matmul needs is padded
         assert all(r1 - r0 >= MIN_GEMM_ROWS for r0, r1 in bounds), bounds
-    fixed = ch.row_tiles(n, ch.plan(50000, "cuda"))  # no borrowing: every tile padded to its full height
-    assert [r0 for r0, _ in fixed] == list(range(0, n, 2048))
-    assert all(t.rows == 2048 for t in ch._tiles(n, ch.plan(50000, "cuda")))  # padded to one shape
+    cuda = ch.plan(50000, 64, torch.float32, "cuda")
+    fixed = ch.row_tiles(n, cuda)  # no borrowing: every tile padded to its full height
+    assert [r0 for r0, _ in fixed] == list(range(0, n, 1024))
+    assert all(t.rows == 1024 for t in ch._tiles(n, cuda))  # padded to one shape
 
 
 @pytest.mark.parametrize("v", [1, 2, 1024, 1025, 2049, 3000])
 def test_vocabulary_blocks_cover_the_vocabulary_and_none_has_one_column_but_a_vocabulary_of_one(v):
-    bounds = ch.vocab_blocks(v, ch.plan(v, "cpu"))
+    bounds = ch.vocab_blocks(v, ch.plan(v, 64, torch.float32, "cpu"))
     assert bounds[0][0] == 0 and bounds[-1][1] == v and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     assert all(v1 - v0 >= min(2, v) and v1 - v0 <= 1024 for v0, v1 in bounds), bounds
 
@@ -169,12 +173,12 @@ def test_batch_invariant_at_tile_boundaries(small_tiles):
 @needs_compiler
 def test_batch_invariant_with_the_default_tiles():
     """The default CPU tiles with a realistic hidden size: a row alone, among 17 rows, and as row
-    1029 of 1030 (a tile of 1024 rows then one of 6, which takes 10 rows from the first) give the
+    4101 of 4102 (a tile of 4096 rows then one of 6, which takes 10 rows from the first) give the
     same bits: the CPU matmul gives a row the same result in any tile of at least 16 rows."""
-    hidden, weight, _, labels = make_inputs(n=1030, h=512, v=1100, seed=7)
+    hidden, weight, _, labels = make_inputs(n=4102, h=256, v=1100, seed=7)
     with torch.no_grad():
         whole = call(hidden, weight, labels, return_entropy=True)
-        for rows in (slice(1029, 1030), slice(1013, 1030), slice(1000, 1030), slice(0, 1025)):
+        for rows in (slice(4101, 4102), slice(4085, 4102), slice(4000, 4102), slice(0, 17), slice(3, 4099)):
             part = call(hidden[rows], weight, labels[rows], return_entropy=True)
             for name, a, b in zip(("logprobs", "entropy"), part, whole):
                 assert torch.equal(a, b[rows]), f"{name} of rows {rows} differs from the batch of 1030"
@@ -219,7 +223,7 @@ def test_one_compile_covers_tokens_vocabularies_hidden_sizes_and_temperatures(fr
     """Five calls with gradients and different N, V, H and temperature (bf16 among them: upcast
     outside the kernels) cost one forward and one backward compile."""
     for i, (n, h, v, dtype) in enumerate([(5, 24, 97, torch.float32), (40, 32, 1500, torch.float32),
-                                          (1030, 16, 3000, torch.bfloat16), (17, 8, 50, torch.float32),
+                                          (4110, 16, 3000, torch.bfloat16), (17, 8, 50, torch.float32),
                                           (64, 24, 2049, torch.float32)]):
         hidden, weight, bias, labels = make_inputs(n=n, h=h, v=v, dtype=dtype, seed=i)
         hidden.requires_grad_(True)

@@ -14,8 +14,7 @@ weight and hidden in two in-place matmuls; the weight gradient accumulates block
   products (a bf16 matmul would round them to bf16, ~1e-2 nats). fp64 is computed in fp64.
 - **Tiles** (:func:`plan`): ``cols`` vocabulary entries a block, a constant of the device type that
   does not depend on the number of tokens, so that a row's log-sum-exp adds up in the same order
-  whatever the batch; ``rows`` tokens a tile. On the CPU a tile of 1024 x 1024 keeps the matmuls at
-  the speed of one large matmul, in 4 MiB of fp32.
+  whatever the batch; ``rows`` tokens a tile (:data:`TILES`).
 - **Batch invariance**: on the CPU every tile has at least :data:`MIN_GEMM_ROWS` rows (fewer
   tokens are padded with zero rows, and the last tile borrows rows from the one before rather than
   being short), since the CPU matmul takes another path for a handful of rows; on other devices,
@@ -50,11 +49,14 @@ from ._kernels import INDUCTOR_OPTIONS, LN2, LOG2E, RECOMPILE_LIMIT, CompileErro
 __all__ = ["KERNELS", "TILES", "Plan", "compile_counts", "logprobs_from_hidden", "plan", "reset", "row_tiles",
            "vocab_blocks"]
 
-#: ``(rows, cols)`` of a tile by device type ("default" for the others). CPU: a 1024 x 1024 tile
-#: (4 MiB of fp32) runs its matmuls as fast as one large matmul (docs/backends/compiled.md).
-#: Accelerators (not measured here): larger tiles, fewer launches, within 0.1x of the logits at
-#: 4096 x 32768.
-TILES = {"cpu": (1024, 1024), "default": (2048, 4096)}
+#: ``(rows, cols)`` of a tile by device type ("default" for the others). CPU: 4096 x 1024 (16 MiB
+#: of fp32): at least as fast as one large matmul, and few enough tiles (32 at 4096 x 32768) that
+#: the threads meet at few barriers (1024 x 1024 tiles ran 1.4x slower on 2 busy cores;
+#: docs/backends/compiled.md). Accelerators (not measured here): 1024 x 8192, 32 MiB, every row tile
+#: padded to 1024 rows.
+TILES = {"cpu": (4096, 1024), "default": (1024, 8192)}
+#: Bytes of the fp32 copy of a tile of bf16/fp16 hidden rows; rows per tile are capped to fit.
+UPCAST_BYTES = 16 << 20
 #: Device types whose matmul gives a row the same bits in any tile of at least MIN_GEMM_ROWS rows.
 ROW_INVARIANT_MATMUL = frozenset({"cpu"})
 _INF = math.inf
@@ -72,9 +74,13 @@ class Plan(NamedTuple):
     fixed_rows: bool = False
 
 
-def plan(v: int, device_type: str) -> Plan:
-    """The tiles for a vocabulary of ``v`` on ``device_type``; never depends on the number of tokens."""
+def plan(v: int, h: int, dtype: torch.dtype, device_type: str) -> Plan:
+    """The tiles for a vocabulary of ``v``, hidden size ``h`` and input ``dtype`` on ``device_type``;
+    never depends on the number of tokens. A bf16/fp16 tile of hidden rows, upcast to fp32, holds
+    at most :data:`UPCAST_BYTES`."""
     rows, cols = TILES.get(device_type, TILES["default"])
+    if dtype in (torch.float16, torch.bfloat16):
+        rows = min(rows, max(MIN_GEMM_ROWS, UPCAST_BYTES // (4 * max(h, 1))))
     return Plan(rows, max(1, min(cols, v)), device_type not in ROW_INVARIANT_MATMUL)
 
 
@@ -461,9 +467,9 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
     y = labels.reshape(n).long()
     ignored = None if ignore_index is None else y == ignore_index
     idx = y if ignored is None else y.masked_fill(ignored, 0)
-    c = _Call(flat.detach(), weight.detach(), None if bias is None else bias.detach(), idx.reshape(n, 1),
-              plan(weight.shape[0], hidden.device.type), result_dtype(hidden.dtype), LOG2E / temperature,
-              1.0 / temperature, softcap, logits_dtype)
+    tiles = plan(weight.shape[0], hdim, hidden.dtype, hidden.device.type)
+    c = _Call(flat.detach(), weight.detach(), None if bias is None else bias.detach(), idx.reshape(n, 1), tiles,
+              result_dtype(hidden.dtype), LOG2E / temperature, 1.0 / temperature, softcap, logits_dtype)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         out = _FusedCompiled.apply(flat, weight, bias, c, ignored, return_entropy)
     else:
