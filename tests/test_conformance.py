@@ -54,8 +54,8 @@ def test_not_declared_names_the_missing_op_or_promise_and_nothing_else():
     from logprob_registry.testing.suite import not_declared
 
     get = lr.get_registry().get
-    assert not_declared(get("compiled"), "test_hidden_values", {"variant": "plain"}) == \
-        "compiled does not implement logprobs_from_hidden"
+    assert not_declared(get("triton"), "test_hidden_values", {"variant": "plain"}) == \
+        "triton does not implement logprobs_from_hidden"
     assert not_declared(get("naive"), "test_no_copy_of_strided_logits", {"op": "entropy"}) == \
         "naive declares copies_logits=True"
     assert not_declared(get("naive"), "test_batch_invariant", {"op": "logprobs"}) is None

@@ -23,7 +23,7 @@ from typing import Optional
 import logprob_registry as lr
 from logprob_registry.dtypes import FLOAT_DTYPES
 
-from . import _kernels, _ops, _shards
+from . import _hidden, _kernels, _ops, _shards
 from ._kernels import INDUCTOR_OPTIONS, KERNELS, RECOMPILE_LIMIT, TORCH_SPEC, CompileError, compile_counts
 
 __all__ = ["INDUCTOR_OPTIONS", "KERNELS", "RECOMPILE_LIMIT", "TORCH_SPEC", "CompileError", "available",
@@ -46,6 +46,7 @@ def reset() -> None:
     """Forget every compiled kernel and warm-up of this backend (tests use it to compile afresh)."""
     _kernels.reset()
     _ops.reset()
+    _hidden.reset()
 
 
 # --------------------------------------------------------------------------- eligibility
@@ -102,6 +103,7 @@ def register_backends(register):
     register(lr.Backend(
         name="compiled",
         ops={"logprobs": logprobs, "entropy": entropy, "logprobs_and_entropy": logprobs_and_entropy,
+             "logprobs_from_hidden": _hidden.logprobs_from_hidden,
              "shard_stats": _shards.shard_stats, "shard_grad": _shards.shard_grad,
              "hidden_shard_stats": _shards.hidden_shard_stats, "hidden_shard_grad": _shards.hidden_shard_grad},
         devices={"cpu", "cuda"},
@@ -115,7 +117,7 @@ def register_backends(register):
         inplace_backward=True,
         batch_invariant=True,
         deterministic=True,
-        features={"softcap"},
+        features={"softcap", "logits_dtype"},
         group_invariant=True,
         description="torch.compile (inductor) of the row statistics and of the one-pass gradient; "
                     "no N x V temporary; compiles once per kind of call and process",

@@ -239,12 +239,15 @@ def _run(name: str, *args):
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:
-        cause = exc
-        while getattr(cause, "inner_exception", None) is not None:  # what the compiler backend raised
-            cause = cause.inner_exception
-        first = (str(cause).strip().splitlines() or [""])[0]
-        x = args[0]
-        raise CompileError(
-            f"torch.compile of its {name} kernel failed for {x.device.type} "
-            f"{str(x.dtype).replace('torch.', '')} logits ({type(cause).__name__}: {first})"
-        ) from exc
+        raise compile_error(f"its {name} kernel", args[0], "logits", exc) from exc
+
+
+def compile_error(what: str, x: torch.Tensor, of: str, exc: Exception) -> CompileError:
+    """The :class:`CompileError` for a kernel (``what``) that failed on ``x`` (``of``: what x is),
+    naming the first line of what the compiler backend itself raised."""
+    cause = exc
+    while getattr(cause, "inner_exception", None) is not None:  # what the compiler backend raised
+        cause = cause.inner_exception
+    first = (str(cause).strip().splitlines() or [""])[0]
+    return CompileError(f"torch.compile of {what} failed for {x.device.type} "
+                        f"{str(x.dtype).replace('torch.', '')} {of} ({type(cause).__name__}: {first})")

@@ -1,0 +1,492 @@
+"""``compiled``'s fused op ``logprobs_from_hidden``: log-probabilities (and entropy) of
+``hidden @ weight.T + bias`` without forming the ``(N, V)`` logits, one compiled region per tile.
+
+The logits are formed a tile at a time (a block of tokens against a block of the vocabulary). Per
+tile, one function compiled by ``torch.compile`` (inductor) does the matmul and reduces its result
+at once: the online log-sum-exp (a running max and a running sum of ``exp2``), for the entropy a
+running sum of ``-a * exp2(a)``, and the label's logit. Backward recomputes each tile in a second
+compiled function (matmul, then the gradient of the logits of the tile), whose result meets the
+weight and hidden in two in-place matmuls; the weight gradient accumulates block by block. No
+``(N, V)`` tensor exists in either pass.
+
+- **Precision**: bf16/fp16 inputs are upcast to fp32 one block at a time, outside the compiled
+  functions, so every dtype but fp64 shares one compiled kernel and the logits are exact fp32
+  products (a bf16 matmul would round them to bf16, ~1e-2 nats). fp64 is computed in fp64.
+- **Tiles** (:func:`plan`): ``cols`` vocabulary entries a block, a constant of the device type that
+  does not depend on the number of tokens, so that a row's log-sum-exp adds up in the same order
+  whatever the batch; ``rows`` tokens a tile (:data:`TILES`).
+- **Batch invariance**: on the CPU every tile has at least :data:`MIN_GEMM_ROWS` rows (fewer
+  tokens are padded with zero rows, and the last tile borrows rows from the one before rather than
+  being short), since the CPU matmul takes another path for a handful of rows; on other devices,
+  whose matmul libraries choose kernels by shape, every row tile is padded to the full tile height,
+  so that each matmul has one shape. Inductor reduces each row in one program
+  (``split_reductions=False``).
+- **Compilation**: :data:`KERNELS` (``fwd_step``, ``bwd_step``) are compiled on first use with
+  dynamic shapes: one compile per kind of call (compute dtype fp32 or fp64, bias or not, entropy or
+  not, softcap or not, ``logits_dtype``), whatever the tokens, vocabulary, hidden size or
+  temperature. A failure raises :class:`~._kernels.CompileError` from the forward (the backward
+  kernel is compiled during the first forward that needs gradients), so that the registry falls
+  back; a backward kernel failing later anyway runs the same function eagerly, with one warning.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import threading
+import warnings
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+
+import logprob_registry as lr
+from logprob_registry import reference as ref
+from logprob_registry.dtypes import result_dtype
+
+from .._common import MIN_GEMM_ROWS, second_order_gradient
+from ._kernels import INDUCTOR_OPTIONS, LN2, LOG2E, RECOMPILE_LIMIT, CompileError, _notice, compile_error
+
+__all__ = ["KERNELS", "TILES", "Plan", "compile_counts", "logprobs_from_hidden", "plan", "reset", "row_tiles",
+           "vocab_blocks"]
+
+#: ``(rows, cols)`` of a tile by device type ("default" for the others). CPU: 4096 x 1024 (16 MiB
+#: of fp32): at least as fast as one large matmul, and few enough tiles (32 at 4096 x 32768) that
+#: the threads meet at few barriers (1024 x 1024 tiles ran 1.4x slower on 2 busy cores;
+#: docs/backends/compiled.md). Accelerators (not measured here): 1024 x 8192, 32 MiB, every row tile
+#: padded to 1024 rows.
+TILES = {"cpu": (4096, 1024), "default": (1024, 8192)}
+#: Bytes of the fp32 copy of a tile of bf16/fp16 hidden rows; rows per tile are capped to fit.
+UPCAST_BYTES = 16 << 20
+#: Device types whose matmul gives a row the same bits in any tile of at least MIN_GEMM_ROWS rows.
+ROW_INVARIANT_MATMUL = frozenset({"cpu"})
+_INF = math.inf
+#: Inductor options of the fused op's kernels: the backend's, and emulate_precision_casts, without
+#: which inductor drops the rounding of ``logits_dtype`` (a cast to bf16 and back inside one kernel).
+OPTIONS = {**INDUCTOR_OPTIONS, "emulate_precision_casts": True}
+
+
+class Plan(NamedTuple):
+    """How the ``(N, V)`` logits are cut: ``rows`` tokens by ``cols`` vocabulary entries a tile;
+    ``fixed_rows``: every row tile padded to ``rows`` (one matmul shape), else to MIN_GEMM_ROWS."""
+
+    rows: int
+    cols: int
+    fixed_rows: bool = False
+
+
+def plan(v: int, h: int, dtype: torch.dtype, device_type: str) -> Plan:
+    """The tiles for a vocabulary of ``v``, hidden size ``h`` and input ``dtype`` on ``device_type``;
+    never depends on the number of tokens. A bf16/fp16 tile of hidden rows, upcast to fp32, holds
+    at most :data:`UPCAST_BYTES`."""
+    rows, cols = TILES.get(device_type, TILES["default"])
+    if dtype in (torch.float16, torch.bfloat16):
+        rows = min(rows, max(MIN_GEMM_ROWS, UPCAST_BYTES // (4 * max(h, 1))))
+    return Plan(rows, max(1, min(cols, v)), device_type not in ROW_INVARIANT_MATMUL)
+
+
+def vocab_blocks(v: int, p: Plan) -> List[Tuple[int, int]]:
+    """``(start, stop)`` of each vocabulary block: blocks of ``p.cols``, except that a last block of
+    one column starts one column earlier (a dim of size 1 would cost a compile of its own)."""
+    bounds = [(v0, min(v, v0 + p.cols)) for v0 in range(0, v, p.cols)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], v - 2), (v - 2, v)]
+    return bounds
+
+
+def row_tiles(n: int, p: Plan) -> List[Tuple[int, int]]:
+    """``(start, stop)`` of each row tile of ``n`` rows: tiles of ``p.rows``; unless the tiles have
+    fixed rows, a short last tile (fewer than MIN_GEMM_ROWS) starts earlier, taking rows from the
+    one before, so that only a call of fewer than MIN_GEMM_ROWS rows needs padding."""
+    bounds = [(r0, min(n, r0 + p.rows)) for r0 in range(0, n, p.rows)]
+    if not p.fixed_rows and len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < MIN_GEMM_ROWS:
+        cut = n - MIN_GEMM_ROWS
+        bounds[-2:] = [(bounds[-2][0], cut), (cut, n)]
+    return bounds
+
+
+# --------------------------------------------------------------------------- kernels (compiled)
+# As in ._kernels: a logit x is scaled as a = (x - max) * k with k = log2(e) / T and exponentiated
+# with exp2; the sums are relative to the running max of the unscaled (processed) logits.
+def _logits(h, w, b, cap: Optional[float], logits_dtype: Optional[torch.dtype]):
+    """The tile's logits, processed as the sampler does before the temperature: rounded to
+    ``logits_dtype`` (if given), then softcapped (if ``cap``); and d processed / d logits (None
+    without a softcap; the rounding passes the gradient straight through). With ``logits_dtype`` the
+    softcap is the engine's three ops, ``z / cap``, ``tanh``, ``* cap``, each rounded to that dtype
+    (:func:`logprob_registry.reference.softcapped`), its derivative taken at the rounded ``z / cap``."""
+    z = torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
+
+    def rounded(x):
+        return x if logits_dtype is None else x.to(logits_dtype).to(h.dtype)
+
+    z = rounded(z)
+    if cap is None:
+        return z, None
+    masked = torch.isneginf(z)
+    t = torch.tanh(rounded(z / cap))
+    return torch.where(masked, z, rounded(rounded(t) * cap)), torch.where(masked, 0.0, 1.0 - t * t)
+
+
+def _fwd_step(h, w, b, local, m, s, u, zl, k: float, cap: Optional[float], logits_dtype: Optional[torch.dtype]):
+    """One tile of the forward: the running max ``m`` (of the processed logits), sum ``s`` of
+    ``exp2((x - m) k)``, sum ``u`` of ``-a exp2(a)`` (None: no entropy) and label logit ``zl``
+    (where ``0 <= local < cols``) of ``h``'s rows, updated with the block ``w`` (and ``b``)."""
+    x, _ = _logits(h, w, b, cap, logits_dtype)
+    m_new = torch.maximum(m, x.amax(1, keepdim=True))
+    base = torch.where(m_new == -_INF, 0.0, m_new)  # rows whose logits are all -inf so far
+    a = (x - base) * k
+    e = torch.exp2(a)
+    d = torch.where(m == -_INF, 0.0, (base - m) * k)  # rescales the old sums (none: m was -inf)
+    alpha = torch.exp2(-d)
+    s_new = s * alpha + e.sum(1, keepdim=True)
+    inside = (local >= 0) & (local < x.shape[1])
+    zl_new = torch.where(inside, x.gather(1, local.clamp(0, x.shape[1] - 1)), zl)
+    if u is None:
+        return m_new, s_new, zl_new
+    # -a exp2(a) is 0 where exp2(a) is (a masked logit would give -inf * 0)
+    u_new = (u + d * s) * alpha + torch.where(e == 0, 0.0, -a * e).sum(1, keepdim=True)
+    return m_new, s_new, u_new, zl_new
+
+
+def _bwd_step(h, w, b, local, m, log2_s, ent, g_lp, g_ent, k: float, inv_t: float, cap: Optional[float],
+              logits_dtype: Optional[torch.dtype]):
+    """The gradient of ``g_lp * logp[label] + g_ent * entropy`` with respect to the tile's logits
+    (``m`` the row max, finite; ``log2_s`` the base-2 log-sum; ``ent`` the entropy). The terms of a
+    missing output are skipped (``g_lp`` or ``g_ent`` None). A row with ``log2_s = inf`` (padding)
+    gets zeros."""
+    x, dx = _logits(h, w, b, cap, logits_dtype)
+    log2p = (x - m) * k - log2_s
+    p = torch.exp2(log2p)
+    grad = torch.zeros_like(p)
+    if g_lp is not None:
+        hit = torch.arange(x.shape[1], device=x.device) == local
+        grad = torch.where(hit, g_lp, 0.0) - g_lp * p
+    if g_ent is not None:
+        grad = grad - g_ent * torch.where(p == 0, 0.0, p * (log2p * LN2 + ent))
+    if dx is not None:
+        grad = grad * dx
+    return grad * inv_t
+
+
+KERNELS: Dict[str, Callable] = {"fwd_step": _fwd_step, "bwd_step": _bwd_step}
+_compiled: Dict[str, Callable] = {}
+_eager: Dict[tuple, str] = {}   # kinds of backward that failed to compile: run eagerly
+_warm: set = set()
+_lock = threading.RLock()
+
+
+def _kernel(name: str) -> Callable:
+    with _lock:
+        if name not in _compiled:
+            kwargs = dict(dynamic=True, fullgraph=True, options=dict(OPTIONS))
+            if "recompile_limit" in inspect.signature(torch.compile).parameters:
+                kwargs["recompile_limit"] = RECOMPILE_LIMIT
+            _compiled[name] = torch.compile(KERNELS[name], **kwargs)
+        return _compiled[name]
+
+
+def _run(name: str, *args):
+    """Run compiled kernel ``name``; a failure to compile or run becomes a :class:`CompileError`."""
+    _notice(f"logprobs_from_hidden {name}", args[0])
+    try:
+        with torch.no_grad():
+            return _kernel(name)(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        raise compile_error(f"its logprobs_from_hidden {name} kernel", args[0], "tiles", exc) from exc
+
+
+def compile_counts() -> Dict[str, Optional[int]]:
+    """How many compiled variants each kernel of the fused op holds (None where torch can't say)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return {name: None for name in KERNELS}
+    return {name: len(_debug_get_cache_entry_list(f.__code__)) for name, f in KERNELS.items()}
+
+
+def reset() -> None:
+    """Forget the compiled kernels, warm-ups and eager-backward decisions of the fused op."""
+    with _lock:
+        _compiled.clear()
+        _eager.clear()
+        _warm.clear()
+        for f in KERNELS.values():
+            torch._dynamo.reset_code(f.__code__)
+
+
+# --------------------------------------------------------------------------- the tiled passes
+class _Call(NamedTuple):
+    """A call's inputs, flattened and resolved: what both passes need."""
+
+    hidden: torch.Tensor            # (N, H), detached
+    weight: torch.Tensor            # (V, H) as given, detached
+    bias: Optional[torch.Tensor]
+    idx: torch.Tensor               # (N, 1) int64, 0 where ignored
+    tiles: Plan
+    cd: torch.dtype                 # compute dtype
+    k: float                        # log2(e) / T
+    inv_t: float
+    cap: Optional[float]
+    logits_dtype: Optional[torch.dtype]
+
+    def kind(self, want_logp: bool, want_entropy: bool) -> tuple:
+        """What the backward kernel specialises on besides shapes."""
+        return (self.cd, self.hidden.device.type, self.bias is not None, want_logp, want_entropy,
+                self.cap is not None, self.logits_dtype)
+
+
+class _Tile(NamedTuple):
+    """Rows ``r0:r1`` of the call, computed as ``rows`` rows (the rest zero padding)."""
+
+    r0: int
+    r1: int
+    rows: int
+
+    def pad(self, t: Optional[torch.Tensor], value: float = 0.0) -> Optional[torch.Tensor]:
+        """Rows ``r0:r1`` of ``t`` (N-sized), padded with ``value`` to ``rows``; no view."""
+        if t is None:
+            return None
+        part = t[self.r0:self.r1].detach()
+        short = self.rows - (self.r1 - self.r0)
+        if short == 0:
+            return part
+        return torch.cat([part, part.new_full((short,) + tuple(part.shape[1:]), value)])
+
+
+def _tiles(n: int, p: Plan) -> List[_Tile]:
+    """The row tiles of ``n`` rows: see :func:`row_tiles`; a tile shorter than the matmul needs
+    (MIN_GEMM_ROWS, or the full tile height with ``p.fixed_rows``) is padded."""
+    least = p.rows if p.fixed_rows else MIN_GEMM_ROWS
+    return [_Tile(r0, r1, max(r1 - r0, least)) for r0, r1 in row_tiles(n, p)]
+
+
+def _block(t: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
+    """``t`` in the compute dtype, contiguous (a copy only if it is not already), and no view of
+    another tensor: a compiled kernel would specialise on the size of the base."""
+    return t.to(cd).contiguous().detach()
+
+
+class _Rows:
+    """The hidden rows of each tile in the compute dtype: padded tiles copied once per pass, the
+    others taken (and, for bf16/fp16, upcast) at each use, so that no fp32 copy of the whole hidden
+    exists."""
+
+    def __init__(self, c: _Call, tiles: List[_Tile]) -> None:
+        self.c = c
+        self.padded = {i: _block(t.pad(c.hidden), c.cd) for i, t in enumerate(tiles) if t.rows > t.r1 - t.r0}
+        self.tiles = tiles
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i in self.padded:
+            return self.padded[i]
+        t = self.tiles[i]
+        return _block(self.c.hidden[t.r0:t.r1], self.c.cd)
+
+
+def _blocks(c: _Call):
+    """``(v0, weight block, bias block)`` of each vocabulary block, in the compute dtype."""
+    for v0, v1 in vocab_blocks(c.weight.shape[0], c.tiles):
+        yield v0, _block(c.weight[v0:v1], c.cd), None if c.bias is None else _block(c.bias[v0:v1], c.cd)
+
+
+def _forward(c: _Call, entropy: bool):
+    """``(m, s, u, zl)`` per row, each ``(N, 1)``: the max of the processed logits, the sum of
+    ``exp2((x - m) k)``, of ``-a exp2(a)`` (None without entropy) and the label's logit."""
+    tiles = _tiles(c.hidden.shape[0], c.tiles)
+    rows = _Rows(c, tiles)
+    idx = [t.pad(c.idx) for t in tiles]
+    opts = dict(device=c.hidden.device, dtype=c.cd)
+    states = [(torch.full((t.rows, 1), -_INF, **opts), torch.zeros(t.rows, 1, **opts),
+               torch.zeros(t.rows, 1, **opts) if entropy else None, torch.zeros(t.rows, 1, **opts)) for t in tiles]
+    for v0, w, b in _blocks(c):
+        for i in range(len(tiles)):
+            out = _run("fwd_step", rows[i], w, b, idx[i] - v0, *states[i], c.k, c.cap, c.logits_dtype)
+            states[i] = out if entropy else (out[0], out[1], None, out[2])
+    return tuple(None if states[0][j] is None else torch.cat([st[j][: t.r1 - t.r0] for st, t in zip(states, tiles)])
+                 for j in range(4))
+
+
+def _backward(c: _Call, m, log2_s, ent, g_lp, g_ent, need) -> tuple:
+    """Gradients of hidden, weight and bias (None where not needed): each tile recomputed by the
+    compiled ``bwd_step``; its gradient of the logits meets the weight block and the hidden rows in
+    two in-place matmuls. ``m``, ``log2_s``, ``ent``, ``g_lp``, ``g_ent``: ``(N, 1)`` or None."""
+    need_h, need_w, need_b = need
+    n, hdim = c.hidden.shape
+    tiles = _tiles(n, c.tiles)
+    rows = _Rows(c, tiles)
+    # per tile: label, max, log-sum (inf on padding rows: they get zero gradients), entropy, upstream
+    per_tile = [(t.pad(c.idx), t.pad(m), t.pad(log2_s, _INF), t.pad(ent), t.pad(g_lp), t.pad(g_ent)) for t in tiles]
+    opts = dict(device=c.hidden.device, dtype=c.cd)
+    gh = torch.zeros(n, hdim, **opts) if need_h else None
+    gh_tiles = [gh[t.r0:t.r1] if t.rows == t.r1 - t.r0 else torch.zeros(t.rows, hdim, **opts) for t in tiles] \
+        if need_h else None
+    low_w = c.weight.dtype != c.cd
+    gw = torch.zeros(c.weight.shape, device=c.weight.device, dtype=c.weight.dtype) if need_w else None
+    gb = torch.zeros(c.weight.shape[0], **opts) if need_b else None
+    step = _backward_step(c.kind(g_lp is not None, g_ent is not None))
+    for v0, w, b in _blocks(c):
+        v1 = v0 + w.shape[0]
+        gw_blk = None
+        if need_w:
+            gw_blk = torch.zeros(w.shape, **opts) if low_w else gw[v0:v1]
+        for i in range(len(tiles)):
+            idx, m_i, l2s, ent_i, glp, gent = per_tile[i]
+            h = rows[i]
+            grad = step(h, w, b, idx - v0, m_i, l2s, ent_i, glp, gent, c.k, c.inv_t, c.cap, c.logits_dtype)
+            if need_h:
+                gh_tiles[i].addmm_(grad, w)
+            if need_w:
+                gw_blk.addmm_(grad.t(), h)
+            if need_b:
+                gb[v0:v1] += grad.sum(0)
+            del grad
+        if need_w and low_w:
+            gw[v0:v1].copy_(gw_blk)
+    if need_h:
+        for t, acc in zip(tiles, gh_tiles):
+            if t.rows > t.r1 - t.r0:
+                gh[t.r0:t.r1] = acc[: t.r1 - t.r0]
+    return gh, gw, gb
+
+
+def _backward_step(kind: tuple) -> Callable:
+    """The backward tile function: compiled, or, for a kind of call whose compile failed after its
+    forward warmed it up, the same function run eagerly (one warning per kind and process)."""
+
+    def step(*args):
+        if kind not in _eager:
+            try:
+                return _run("bwd_step", *args)
+            except CompileError as exc:
+                with _lock:
+                    _eager[kind] = str(exc)
+                warnings.warn(
+                    f"logprob_registry: backend 'compiled': {exc}; this backward of logprobs_from_hidden, "
+                    "and later ones of its kind, run the same tile function eagerly for the rest of this process.",
+                    lr.BackendFallbackWarning, stacklevel=5)
+        with torch.no_grad():
+            return _bwd_step(*args)
+
+    return step
+
+
+def _warm_backward(c: _Call, want_logp: bool, want_entropy: bool) -> None:
+    """Compile now, on one small tile, the backward kernel this forward's backward will use, so that
+    a failure raises from the forward, where the registry can fall back."""
+    kind = c.kind(want_logp, want_entropy)
+    if kind in _warm:
+        return
+    rows, cols, hdim = MIN_GEMM_ROWS, min(2, c.weight.shape[0]), c.hidden.shape[1]
+    opts = dict(device=c.hidden.device, dtype=c.cd)
+
+    def col(wanted: bool = True):
+        return torch.zeros(rows, 1, **opts) if wanted else None
+
+    b = None if c.bias is None else torch.zeros(cols, **opts)
+    _run("bwd_step", torch.zeros(rows, hdim, **opts), torch.zeros(cols, hdim, **opts), b,
+         torch.zeros(rows, 1, dtype=torch.int64, device=c.hidden.device), col(), col(), col(want_entropy),
+         col(want_logp), col(want_entropy), c.k, c.inv_t, c.cap, c.logits_dtype)
+    with _lock:
+        _warm.add(kind)
+
+
+class _Stats(NamedTuple):
+    """What backward needs besides the inputs, per row ``(N, 1)``: the max (finite), the base-2
+    log-sum, the entropy (its own copy: the caller may overwrite the output), ignored labels."""
+
+    m: torch.Tensor
+    log2_s: torch.Tensor
+    ent: Optional[torch.Tensor]
+    ignored: Optional[torch.Tensor]
+
+
+def _outputs(c: _Call, ignored: Optional[torch.Tensor], entropy: bool):
+    """``(logp (N,), entropy (N,) or None, stats)``."""
+    m, s, u, zl = _forward(c, entropy)
+    base = torch.where(m == -_INF, 0.0, m)
+    log_s = s.log()
+    logp = ((zl - base) * c.inv_t - log_s)[:, 0]
+    if ignored is not None:
+        logp = logp.masked_fill(ignored, 0.0)
+    ent = None if u is None else log_s + u * LN2 / s
+    out_ent = None if ent is None else ent[:, 0].clone()
+    return logp, out_ent, _Stats(base, log_s * LOG2E, ent, ignored)
+
+
+class _FusedCompiled(torch.autograd.Function):
+    """Forward through the compiled forward tiles; backward recomputes them (compiled too)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, c: _Call, ignored, entropy, labels, options):
+        logp, ent, stats = _outputs(c, ignored, entropy)
+        _warm_backward(c, True, entropy)
+        ctx.set_materialize_grads(False)
+        ctx.call, ctx.stats, ctx.labels, ctx.options = c, stats, labels, options
+        # c holds hidden, weight and bias detached; saving them too makes autograd check that
+        # nobody modified them in place before backward
+        ctx.save_for_backward(hidden, weight, bias)
+        return (logp, ent) if entropy else logp
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent=None):
+        hidden, weight, bias = ctx.saved_tensors
+        c, st = ctx.call, ctx.stats
+        need = tuple(ctx.needs_input_grad[:3])
+        if (g_lp is None and g_ent is None) or not any(need):
+            return (None,) * 8
+        if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
+            def outputs():
+                out = ref.logprobs_from_hidden(hidden, weight, ctx.labels, bias=bias, dtype=c.cd, **ctx.options)
+                return out if isinstance(out, tuple) else (out,)
+
+            inputs = tuple(t if n else None for t, n in zip((hidden, weight, bias), need))
+            return second_order_gradient(outputs, inputs, (g_lp, g_ent)) + (None,) * 5
+        with torch.no_grad():
+            return _first_order(hidden, bias, c, st, need, g_lp, g_ent) + (None,) * 5
+
+
+def _first_order(hidden, bias, c: _Call, st, need, g_lp, g_ent) -> tuple:
+    """The gradients of hidden, weight and bias: the compiled backward tiles."""
+
+    def per_row(g):  # contiguous: an upstream gradient is often expanded (of a sum), stride 0
+        return None if g is None else g.reshape(-1, 1).to(c.cd).contiguous()
+
+    a = per_row(g_lp)
+    if a is not None and st.ignored is not None:
+        a = a.masked_fill(st.ignored.reshape(-1, 1), 0.0)
+    e = per_row(g_ent)
+    gh, gw, gb = _backward(c, st.m, st.log2_s, st.ent if e is not None else None, a, e, need)
+    gh = None if gh is None else gh.to(hidden.dtype)
+    gb = None if gb is None else gb.to(bias.dtype)
+    return gh, gw, gb
+
+
+def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy,
+                         softcap=None, logits_dtype=None):
+    """The backend op behind :func:`logprob_registry.logprobs_from_hidden` for ``compiled``
+    (inputs validated: one dtype for hidden, weight and bias; labels ``(...)``)."""
+    lead, hdim = hidden.shape[:-1], hidden.shape[-1]
+    n = lead.numel()
+    if n == 0 or hdim == 0:  # nothing to compile for
+        return ref.logprobs_from_hidden(hidden, weight, labels, bias=bias, temperature=temperature,
+                                        ignore_index=ignore_index, return_entropy=return_entropy,
+                                        dtype=result_dtype(hidden.dtype), softcap=softcap,
+                                        logits_dtype=logits_dtype)
+    flat = hidden.reshape(n, hdim)
+    y = labels.reshape(n).long()
+    ignored = None if ignore_index is None else y == ignore_index
+    idx = y if ignored is None else y.masked_fill(ignored, 0)
+    tiles = plan(weight.shape[0], hdim, hidden.dtype, hidden.device.type)
+    c = _Call(flat.detach(), weight.detach(), None if bias is None else bias.detach(), idx.reshape(n, 1), tiles,
+              result_dtype(hidden.dtype), LOG2E / temperature, 1.0 / temperature, softcap, logits_dtype)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        options = dict(temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy,
+                       softcap=softcap, logits_dtype=logits_dtype)
+        out = _FusedCompiled.apply(flat, weight, bias, c, ignored, return_entropy, y, options)
+    else:
+        logp, ent, _ = _outputs(c, ignored, return_entropy)
+        out = (logp, ent) if return_entropy else logp
+    if return_entropy:
+        return out[0].view(lead), out[1].view(lead)
+    return out.view(lead)
