@@ -15,7 +15,7 @@ from .ops import (
 )
 from .registry import BackendFallbackWarning, NoEligibleBackendError, get_registry, use_backend
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "Backend",

@@ -162,7 +162,7 @@ class PluginSet:
         return list(self._failures)
 
     def versions(self) -> Dict[str, str]:
-        """Each backend's plugin distribution and version (``"logprob-registry 0.1.0 (built-in)"``)."""
+        """Each backend's plugin distribution and version (``"logprob-registry 0.2.0.dev0 (built-in)"``)."""
         self.load()
         return {b.name: self._dists.get(b.origin, "") for b in self._sorted}
 
