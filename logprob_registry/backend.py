@@ -128,6 +128,9 @@ class Backend:
                     f"backend {self.name!r}: requires entry {req!r} is not a requirement such as "
                     "'triton>=3.6' or 'torch_npu'"
                 ) from exc
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise TypeError(f"backend {self.name!r}: priority must be an int (built-ins use 0-30; 50 or more wins "
+                            f"wherever eligible), got {self.priority!r}")
         if isinstance(self.min_vocab, bool) or not isinstance(self.min_vocab, int) or self.min_vocab < 0:
             raise ValueError(f"backend {self.name!r}: min_vocab must be an int >= 0, got {self.min_vocab!r}")
         features = frozenset({self.features} if isinstance(self.features, str) else self.features)

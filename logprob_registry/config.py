@@ -79,10 +79,10 @@ def _key(name: str) -> Any:
 
 def declare(variable: Variable) -> Variable:
     """Declare a variable (a plugin declares its own at import); redeclaring a name replaces it."""
-    global _checked
-    with _lock:
-        _declared[variable.name] = variable
-        _keys[variable.name] = _key(variable.name)
+    global _checked, _declared, _keys
+    with _lock:  # new dicts, never changed in place: check() may be iterating the old ones in another thread
+        _declared = {**_declared, variable.name: variable}
+        _keys = {**_keys, variable.name: _key(variable.name)}
         _parsed.pop(variable.name, None)
         _checked = ((), [])
     return variable

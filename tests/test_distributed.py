@@ -178,6 +178,37 @@ def test_an_option_the_distributed_path_lacks_is_refused_by_name(monkeypatch):
     assert "softcap=30.0" in support.unsupported_reason("logprobs", {"softcap": 30.0})
 
 
+def test_double_backward_is_refused_with_a_remedy_that_works_with_a_group():
+    from logprob_registry.distributed import hidden, logits
+
+    for fn, remedy in ((logits._ShardedLogits.backward, "gather the logits to one rank and call without "
+                        "process_group"),
+                       (hidden._ShardedHidden.backward, "gather the weight shards and call without process_group")):
+        with torch.enable_grad(), pytest.raises(RuntimeError, match=f"does not support double backward.*{remedy}"):
+            fn(None, torch.ones(1))
+
+
+def test_candidate_labels_are_refused_with_a_sentence():
+    support.check_not_candidates(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, 8))  # (...): fine
+    with pytest.raises(NotImplementedError, match=r"candidate labels \(2, 3, 4\) \(\.\.\., K\) are not supported "
+                                                  r"with process_group= yet; pass one label per position"):
+        support.check_not_candidates(torch.zeros(2, 3, 4, dtype=torch.long), torch.zeros(2, 3, 8))
+
+
+def test_values_that_mean_keep_everything_are_the_default_with_a_group_too():
+    """top_k 0 or -1, top_p 1, min_p 0 and logits_dtype float32 run without a group as if not given:
+    with one, they must not be refused either; a bad value gets the error it gets without a group."""
+    support.check_supported("logprobs", {"top_k": 0, "top_p": 1.0, "min_p": 0.0})
+    support.check_supported("logprobs", {"top_k": -1})
+    support.check_supported("logprobs_from_hidden", {"logits_dtype": torch.float32})
+    with pytest.raises(NotImplementedError, match="does not support top_k=5 yet"):
+        support.check_supported("logprobs", {"top_k": 5})
+    with pytest.raises(NotImplementedError, match="logits_dtype=torch.bfloat16"):
+        support.check_supported("logprobs_from_hidden", {"logits_dtype": torch.bfloat16})
+    with pytest.raises(ValueError, match="top_p"):
+        support.check_supported("logprobs", {"top_p": 2.0})
+
+
 def test_the_shard_ops_are_in_the_op_table_without_a_public_function():
     assert SHARD_OPS == ("shard_stats", "shard_grad", "hidden_shard_stats", "hidden_shard_grad")
     with pytest.raises(ValueError, match="has no public function: the distributed core calls it"):

@@ -230,3 +230,8 @@ def test_transformers_is_imported_only_by_the_parity_check():
             "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_an_unknown_backend_is_a_usage_error_before_any_model_is_built(capsys):
+    assert main(["parity", "--tiny", "--backend", "nope"]) == 2
+    assert "logprob-registry parity: no backend named 'nope' is registered" in capsys.readouterr().err

@@ -70,6 +70,23 @@ def test_bad_plugins_are_reported_and_good_ones_kept(capsys):
     assert not any(f.plugin.startswith("test-") for f in reg.failures())
 
 
+class BadPriority:
+    @lr.hookimpl
+    def register_backends(self, register):
+        register(lr.Backend(name="test-bad-priority", ops={"logprobs": _op}, priority="10"))
+
+
+def test_a_bad_field_is_a_failure_of_that_plugin_and_the_next_plugins_load():
+    reg = Registry(builtins=("logprob_registry.kernels.naive",), entry_points=False)
+    reg.add_plugin(BadPriority(), name="test-bad-priority-plugin")
+    reg.add_plugin(Good(), name="test-good-plugin")
+    assert {b.name for b in reg.backends()} >= {"naive", "test-good"}
+    (failure,) = reg.failures()
+    assert failure.plugin == "test-bad-priority-plugin"
+    assert failure.error.startswith("raised while registering: TypeError: backend 'test-bad-priority': priority "
+                                    "must be an int")
+
+
 def test_a_failing_builtin_module_is_reported():
     reg = Registry(builtins=("logprob_registry.kernels.naive", "logprob_registry.kernels.does_not_exist"),
                    entry_points=False)

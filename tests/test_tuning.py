@@ -143,8 +143,51 @@ def test_tune_measures_writes_and_selection_follows(tmp_path, monkeypatch, capsy
 def test_tune_usage_errors(capsys):
     assert main(["tune", "--op", "nope"]) == 2
     assert "--op takes logprobs" in capsys.readouterr().err
+    assert main(["tune", "--backend", "chunkd"]) == 2
+    assert "unknown backend 'chunkd'; the registered ones are" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["tune", "--vocab", "0"])
+
+
+def _ranking(entries, versions, torch_version="2.6.0", cpu="fake CPU"):
+    return cache.Ranking(torch_version, {"cpu": {"cpu": cpu}}, versions,
+                         {k: cache.Entry(**v) for k, v in entries.items()})
+
+
+def test_a_run_merges_backend_by_backend_and_drops_what_it_makes_stale():
+    key, other = "logprobs|cpu|float32|nograd|65536", "logprobs|cpu|float32|grad|65536"
+    rows = {"16": 1.0, "256": 2.0}
+    old = _ranking({key: dict(times={"a": 1.0, "b": 2.0}, rows={"a": rows, "b": rows}, vocab=32000),
+                    other: dict(times={"a": 3.0, "b": 4.0}, rows={"a": rows, "b": rows}, vocab=32000)},
+                   {"a": "pkg 1", "b": "pkg 1"})
+    # tune --backend b: b's time replaced, a's kept (the same row counts), the other key untouched
+    new = _ranking({key: dict(times={"b": 0.5}, rows={"b": rows}, vocab=32000)}, {"b": "pkg 1"})
+    merged = old.merged(new)
+    assert merged.entries[key].times == {"a": 1.0, "b": 0.5} and merged.entries[key].order() == ["b", "a"]
+    assert merged.entries[other].times == {"a": 3.0, "b": 4.0}
+    # b upgraded: its old times elsewhere go, a's stay
+    upgraded = old.merged(_ranking({key: dict(times={"b": 0.5}, rows={"b": rows}, vocab=32000)}, {"b": "pkg 2"}))
+    assert upgraded.entries[other].times == {"a": 3.0} and upgraded.versions == {"a": "pkg 1", "b": "pkg 2"}
+    # other row counts: the key is the new run's alone
+    fewer = old.merged(_ranking({key: dict(times={"b": 0.5}, rows={"b": {"16": 1.0}}, vocab=32000)}, {"b": "pkg 1"}))
+    assert fewer.entries[key].times == {"b": 0.5}
+    # another machine for the device, or another torch: nothing old survives
+    moved = old.merged(_ranking({key: dict(times={"b": 0.5}, rows={"b": rows}, vocab=32000)}, {"b": "pkg 1"},
+                                cpu="another CPU"))
+    assert set(moved.entries) == {key} and moved.entries[key].times == {"b": 0.5}
+    upgraded_torch = old.merged(_ranking({}, {}, torch_version="2.7.0"))
+    assert upgraded_torch.entries == {} and upgraded_torch.torch == "2.7.0"
+
+
+def test_rows_measured_fit_the_cap_and_quick_keeps_the_largest():
+    from logprob_registry.tuning.measure import MAX_ELEMENTS, Plan
+
+    plan = Plan(rows=(2048, 16, 256))
+    assert plan.rows_for(1000) == [16, 256, 2048]
+    assert plan.rows_for(151936) == [16, 256]   # 2048 x 151936 exceeds the cap
+    assert plan.rows_for(MAX_ELEMENTS) == [1]   # not even 16 rows fit: as many as fit
+    plan.quick = True
+    assert plan.rows_for(1000) == [2048] and plan.rows_for(151936) == [256]
 
 
 @pytest.mark.parametrize("tuned", [False, True])

@@ -2,7 +2,9 @@
 
 Each command is a module of this package with ``add_arguments(parser)`` and ``run(args) -> exit
 status``: ``info`` (over :mod:`logprob_registry.report`), ``check`` (over
-:mod:`logprob_registry.testing.runner`), ``bench`` (over :mod:`logprob_registry.benchmark`).
+:mod:`logprob_registry.testing.runner`), ``bench`` (over :mod:`logprob_registry.benchmark`),
+``tune`` (over :mod:`logprob_registry.tuning`), ``warmup`` (over :mod:`logprob_registry.warmup`),
+``parity`` (over :mod:`logprob_registry.parity`).
 """
 
 from __future__ import annotations

@@ -38,9 +38,12 @@ def run(args: argparse.Namespace) -> int:
 
     from ..dtypes import parse_dtype
     from ..parity import ParityError, Settings, check_model, format_report, load_model, tiny_models
+    from ..registry import NoEligibleBackendError, get_registry
 
     out = sys.stderr if args.json == "-" else sys.stdout
     try:
+        if args.backend is not None:
+            get_registry().get(args.backend)  # an unknown name: say so before building any model
         dtype = parse_dtype(args.dtype)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         settings = Settings(temperature=args.temperature, top_k=args.top_k or None,
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         for name, model in models.items():
             reports.append(check_model(model, name, settings, backend=args.backend))
             print(format_report(reports[-1]), file=out, flush=True)
-    except (ParityError, ValueError) as exc:
+    except (ParityError, ValueError, NoEligibleBackendError) as exc:
         print(f"logprob-registry parity: {exc}", file=sys.stderr)
         return 2
     doc = {"reports": [r.to_dict() for r in reports]}

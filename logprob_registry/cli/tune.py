@@ -68,19 +68,26 @@ def run(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         print("logprob-registry tune: --repeat must be at least 1", file=sys.stderr)
         return 2
+    if args.backend:
+        known = {b.name for b in registry.backends()}
+        unknown = [n for n in args.backend if n not in known]
+        if unknown:
+            print(f"logprob-registry tune: unknown backend {', '.join(map(repr, unknown))}; the registered ones are "
+                  f"{', '.join(sorted(known))} (logprob-registry info lists them)", file=sys.stderr)
+            return 2
     path = args.output or cache.path_in_force() or cache.default_path()
     grads = {"both": (False, True), "yes": (True,), "no": (False,)}[args.grad]
     plan = Plan(device=device, ops=ops, dtypes=dtypes, grads=grads, vocabs=_ints(args.vocab, "vocab"),
                 rows=_ints(args.rows, "rows"), backends=args.backend, repeat=args.repeat)
     if args.quick:
-        plan.repeat, plan.warmup, plan.rows = 2, 1, plan.rows[-1:]
+        plan.repeat, plan.warmup, plan.quick = 2, 1, True
     print(f"tune: {len(plan.keys())} keys on {device}; writing {path}", file=sys.stderr, flush=True)
     ranking = measure(plan, lambda text: print(text, flush=True))
     try:
         old = cache.load(path)
     except ValueError:
         old = None
-    if old is not None and old.torch == ranking.torch:
+    if old is not None:
         ranking = old.merged(ranking)
     ranking.save(path)
     registry.reset()

@@ -26,7 +26,7 @@ from ..kernels._common import first_order_only
 from ..registry import Key, get_registry
 from . import core, header
 from .group import Group, resolve
-from .support import check_context, check_supported
+from .support import check_context, check_not_candidates, check_supported
 from .tiles import TILE
 
 
@@ -60,6 +60,7 @@ class _Call:
             lead = tuple(hidden.shape[:-1])
             local.dtype, local.shape, local.rows = hidden.dtype, lead, math.prod(lead)
             local.width, local.hidden = weight.shape[0], weight.shape[1]
+            check_not_candidates(self.labels, hidden)
             labels = local.labels = v.check_labels(self.labels, hidden, "hidden")
             self.temperature = local.temperature = v.check_temperature(self.options.get("temperature", 1.0))
             ignore_index = v.check_ignore_index(self.options.get("ignore_index"))
@@ -173,7 +174,8 @@ class _ShardedHidden(torch.autograd.Function):
 
     @staticmethod
     @backward_without_autocast
-    @first_order_only("process_group= (logprobs_from_hidden)")
+    @first_order_only("process_group= (logprobs_from_hidden)",
+                      "For second-order gradients, gather the weight shards and call without process_group.")
     @once_differentiable
     def backward(ctx, g_lp, g_ent=None):
         call: _Call = ctx.call

@@ -24,7 +24,7 @@ from ..kernels._common import first_order_only
 from ..registry import Key, get_registry
 from . import core, header
 from .group import Group, resolve
-from .support import check_context, check_supported
+from .support import check_context, check_not_candidates, check_supported
 from .tiles import TILE
 
 
@@ -61,6 +61,7 @@ class _Call:
             ignore_index = v.check_ignore_index(self.options.get("ignore_index"))
             self.inplace = v.check_flag(self.options.get("inplace_backward", False), "inplace_backward")
             if self.want_logprobs:
+                check_not_candidates(self.labels, logits)
                 labels = local.labels = v.check_labels(self.labels, logits, "logits")
             start = v.check_vocab_start(self.vocab_start)
             self.start = local.start = start if start is not None else self.group.rank * local.width
@@ -155,7 +156,8 @@ class _ShardedLogits(torch.autograd.Function):
 
     @staticmethod
     @backward_without_autocast
-    @first_order_only("process_group= (the logits ops)")
+    @first_order_only("process_group= (the logits ops)",
+                      "For second-order gradients, gather the logits to one rank and call without process_group.")
     @once_differentiable
     def backward(ctx, *grads):
         call: _Call = ctx.call

@@ -49,17 +49,19 @@ def second_order_gradient(outputs: Callable[[], Sequence[Optional[torch.Tensor]]
     return tuple(next(found) if t is not None and t.requires_grad else None for t in inputs)
 
 
-def first_order_only(what: str) -> Callable[[Callable], Callable]:
+def first_order_only(what: str, remedy: str = "Use backend='naive' for second-order gradients.",
+                     ) -> Callable[[Callable], Callable]:
     """Decorate an autograd Function's backward (above ``once_differentiable``, which runs it under
     ``no_grad`` and so cannot tell) to raise under ``create_graph=True``, where the gradient would
-    otherwise silently lack its second-order term: ``what`` names the path, for the message."""
+    otherwise silently lack its second-order term: ``what`` names the path and ``remedy`` says what
+    to do instead, for the message."""
 
     def decorate(backward: Callable) -> Callable:
         @functools.wraps(backward)
         def run(ctx, *grads):
             if torch.is_grad_enabled():
                 raise RuntimeError(f"{what} does not support double backward (create_graph=True): its gradient "
-                                   "is not differentiable again. Use backend='naive' for second-order gradients.")
+                                   f"is not differentiable again. {remedy}")
             return backward(ctx, *grads)
 
         return run

@@ -168,6 +168,7 @@ class Dispatcher:
         found = self._cache.get(key)
         if found is not None:
             return found
+        state = self._state
         verdicts = self.verdicts(key)
         name = automatic(verdicts)
         if name is None:
@@ -176,7 +177,10 @@ class Dispatcher:
         ahead = verdicts[: [v.name for v in verdicts].index(name)]
         if not any(v.transient for v in ahead):  # a transient "no" above it: ask again next time
             with self._lock:
-                self._cache[key] = found
+                # not if, meanwhile, another thread marked it broken or the plugins changed: the
+                # verdicts read before that would cache a stale choice for good
+                if self._state is state and found.name not in self._broken.get(key, {}):
+                    self._cache[key] = found
         return found
 
     def explain(self, key: Key):
@@ -214,7 +218,7 @@ class Dispatcher:
                     replacement = self._automatic(key)
                 except NoEligibleBackendError:
                     with self._lock:  # the last resort stays: its own error is more useful than "none left"
-                        self._broken[key].pop(chosen.name, None)
+                        self._broken.get(key, {}).pop(chosen.name, None)
                     raise exc from None
                 warnings.warn(
                     f"logprob_registry: backend {chosen.name!r} failed for {key.describe()} "

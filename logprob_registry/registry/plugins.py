@@ -74,25 +74,30 @@ class PluginSet:
             if self._loaded:  # done, or this thread is loading (a plugin that imports the registry)
                 return
             self._loaded = True
-            builtin_dist = _builtin_dist()
-            for path in self._builtins:
-                name = "builtin:" + path.rsplit(".", 1)[-1]
+            try:
+                self._load_all()
+            finally:  # whatever happened, loading is over: never half-loaded for good
+                self._done = True
+
+    def _load_all(self) -> None:
+        builtin_dist = _builtin_dist()
+        for path in self._builtins:
+            name = "builtin:" + path.rsplit(".", 1)[-1]
+            try:
+                module = importlib.import_module(path)
+            except Exception as exc:
+                self._failures.append(PluginFailure(name, builtin_dist, f"failed to import: {error_line(exc)}"))
+                continue
+            self.add(module, name=name, distribution=builtin_dist)
+        if self._load_entry_points:
+            for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+                dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
                 try:
-                    module = importlib.import_module(path)
+                    obj = ep.load()
                 except Exception as exc:
-                    self._failures.append(PluginFailure(name, builtin_dist, f"failed to import: {error_line(exc)}"))
+                    self._failures.append(PluginFailure(ep.name, dist, f"failed to import: {error_line(exc)}"))
                     continue
-                self.add(module, name=name, distribution=builtin_dist)
-            if self._load_entry_points:
-                for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-                    dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
-                    try:
-                        obj = ep.load()
-                    except Exception as exc:
-                        self._failures.append(PluginFailure(ep.name, dist, f"failed to import: {error_line(exc)}"))
-                        continue
-                    self.add(obj, name=ep.name, distribution=dist)
-            self._done = True
+                self.add(obj, name=ep.name, distribution=dist)
 
     def add(self, plugin: object, name: str, distribution: str = "registered at run time") -> List[str]:
         """Register a plugin object and collect its backends; returns their names."""
@@ -117,7 +122,7 @@ class PluginSet:
             except Exception as exc:
                 self._failures.append(PluginFailure(name, distribution, f"raised while registering: {error_line(exc)}"))
                 return []
-            added: List[str] = []
+            added: Dict[str, Backend] = {}
             for backend in collected:
                 if backend.name in self._backends or backend.name in added:
                     owner = self._backends[backend.name].origin if backend.name in self._backends else name
@@ -125,10 +130,10 @@ class PluginSet:
                         name, distribution,
                         f"backend name {backend.name!r} is already registered by {owner}; this one is ignored"))
                     continue
-                self._backends[backend.name] = dataclasses.replace(backend, origin=name)
-                added.append(backend.name)
+                added[backend.name] = dataclasses.replace(backend, origin=name)
+            self._backends.update(added)
             self._changed()
-            return added
+            return list(added)
 
     def remove(self, name: str) -> None:
         """Unregister a plugin and drop its backends and failures (tests and ``bench --plugin``)."""

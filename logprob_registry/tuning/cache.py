@@ -108,9 +108,48 @@ class Ranking:
         os.replace(tmp, path)
 
     def merged(self, other: "Ranking") -> "Ranking":
-        """This ranking with ``other``'s entries, machines and versions added (``other`` wins)."""
-        return Ranking(other.torch, {**self.machines, **other.machines}, {**self.versions, **other.versions},
-                       {**self.entries, **other.entries}, other.created)
+        """This ranking with ``other``'s measurements added, backend by backend (``other`` wins).
+
+        What ``other`` would make stale is dropped rather than relabelled: with another torch,
+        everything of this ranking; for a device measured on another machine, that device's
+        entries; for a backend of another version, that backend's measurements. Within a key
+        measured by both, ``other``'s backends replace this ranking's, and the others are kept if
+        they were measured at the same row counts (else the key is ``other``'s alone), so that a
+        ``tune --backend X`` adds X to a ranking without removing its peers."""
+        if other.torch != self.torch:
+            return other
+        changed = {name for name, version in other.versions.items() if self.versions.get(name, version) != version}
+        moved = {d for d, m in other.machines.items() if d in self.machines and self.machines[d] != m}
+        entries: Dict[str, Entry] = {}
+        for k, e in self.entries.items():
+            if _device_of(k) in moved:
+                continue
+            keep = [n for n in set(e.times) | set(e.failed) if n not in changed]
+            entries[k] = Entry({n: t for n, t in e.times.items() if n in keep},
+                               {n: r for n, r in e.rows.items() if n in keep},
+                               {n: f for n, f in e.failed.items() if n in keep}, e.vocab)
+        for k, new in other.entries.items():
+            old = entries.get(k)
+            if old is None or old.vocab != new.vocab or any(set(r) != _row_counts(new) for r in old.rows.values()):
+                entries[k] = new
+                continue
+            ours = set(new.times) | set(new.failed)
+            entries[k] = Entry({**{n: t for n, t in old.times.items() if n not in ours}, **new.times},
+                               {**{n: r for n, r in old.rows.items() if n not in ours}, **new.rows},
+                               {**{n: f for n, f in old.failed.items() if n not in ours}, **new.failed}, new.vocab)
+        machines = {d: m for d, m in self.machines.items() if d not in moved}
+        versions = {n: v for n, v in self.versions.items() if n not in changed}
+        return Ranking(other.torch, {**machines, **other.machines}, {**versions, **other.versions}, entries,
+                       other.created)
+
+
+def _device_of(key: str) -> str:
+    return key.split("|")[1]
+
+
+def _row_counts(entry: Entry) -> set:
+    """The row counts an entry's backends were measured at (one set: they share a plan)."""
+    return next((set(r) for r in entry.rows.values()), set())
 
 
 def load(path: str) -> Optional[Ranking]:

@@ -46,7 +46,16 @@ class Plan:
     warmup: int = 2
     max_elements: int = MAX_ELEMENTS
     seed: int = 0
+    quick: bool = False  # one row count per vocabulary: the largest that fits max_elements
     results: List[Tuple[Key, Entry]] = field(default_factory=list)
+
+    def rows_for(self, vocab: int) -> List[int]:
+        """The row counts measured at ``vocab``: those of :attr:`rows` whose logits fit
+        :attr:`max_elements` (else as many rows as fit, at least one); with :attr:`quick`, the
+        largest of them only."""
+        fitting = [r for r in sorted(self.rows) if r * vocab <= self.max_elements]
+        fitting = fitting or [max(1, self.max_elements // vocab)]
+        return fitting[-1:] if self.quick else fitting
 
     def keys(self) -> List[Tuple[Key, int]]:
         return [(Key(op, self.device, dtype, grad, frozenset(), vocab_bucket(v)), v)
@@ -140,9 +149,7 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda text: None) -> Rank
                 progress(f"  {name}: failed the smoke check: {problem}")
                 continue
             per_rows = {}
-            for rows in plan.rows:
-                if rows * vocab > plan.max_elements:
-                    continue
+            for rows in plan.rows_for(vocab):
                 per_rows[str(rows)] = time_call(key.op, name, rows, vocab, key.dtype, key.device,
                                                 key.requires_grad, plan.repeat, plan.warmup, plan.seed)
             if not per_rows:

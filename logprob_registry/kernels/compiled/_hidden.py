@@ -24,9 +24,12 @@ weight and hidden in two in-place matmuls; the weight gradient accumulates block
 - **Compilation**: :data:`KERNELS` (``fwd_step``, ``bwd_step``) are compiled on first use with
   dynamic shapes: one compile per kind of call (compute dtype fp32 or fp64, bias or not, entropy or
   not, softcap or not, ``logits_dtype``), whatever the tokens, vocabulary, hidden size or
-  temperature. A failure raises :class:`~._kernels.CompileError` from the forward (the backward
-  kernel is compiled during the first forward that needs gradients), so that the registry falls
-  back; a backward kernel failing later anyway runs the same function eagerly, with one warning.
+  temperature. A failure raises :class:`~._kernels.CompileError` from the forward, so that the
+  registry falls back: the backward kernel of the usual kind (gradients through every output the
+  call returns) is compiled during the first forward that needs gradients. Another kind (a loss
+  that uses only one of logprobs and entropy) compiles in its backward, where no fallback is
+  possible: a failure there, or of any backward kernel later, runs the same function eagerly,
+  with one warning.
 """
 
 from __future__ import annotations
