@@ -30,7 +30,7 @@ the CPU build tested; not promised by GPU libraries, which pick kernels by shape
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -116,6 +116,47 @@ def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.copy_(tmp[: acc.shape[0]])
 
 
+class Grads:
+    """The gradients of hidden, weight and bias, accumulated tile by tile in the compute dtype ``cd``
+    (a weight of another dtype one vocabulary block at a time, rounded once per block) and rounded
+    to the inputs' dtypes at the end; ``need``: which of the three are wanted."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cd: torch.dtype,
+                 need: Tuple[bool, bool, bool]) -> None:
+        (n, hdim), v = hidden.shape, weight.shape[0]
+        self.cd, self.dtypes = cd, (hidden.dtype, None if bias is None else bias.dtype)
+        opts = dict(device=hidden.device, dtype=cd)
+        self.gh = torch.zeros(n, hdim, **opts) if need[0] else None
+        self.low_w = weight.dtype != cd
+        self.gw = torch.zeros(v, hdim, device=weight.device, dtype=weight.dtype) if need[1] else None
+        self.gb = torch.zeros(v, **opts) if need[2] else None
+        self.block: Optional[torch.Tensor] = None
+
+    def start_block(self, v0: int, v1: int) -> None:
+        if self.gw is not None:
+            self.block = (torch.zeros(v1 - v0, self.gw.shape[1], device=self.gw.device, dtype=self.cd)
+                          if self.low_w else self.gw[v0:v1])
+
+    def add(self, r0: int, r1: int, v0: int, v1: int, dz: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> None:
+        """A tile's ``dz`` (rows r0:r1, vocabulary v0:v1) meets ``w`` (the block of the weight) and
+        ``h`` (the rows of hidden)."""
+        if self.gh is not None:
+            _add_matmul(self.gh[r0:r1], dz, w)
+        if self.block is not None:
+            self.block.addmm_(dz.t(), h)
+        if self.gb is not None:
+            self.gb[v0:v1] += dz.sum(0)
+
+    def end_block(self, v0: int, v1: int) -> None:
+        if self.gw is not None and self.low_w:
+            self.gw[v0:v1].copy_(self.block)
+
+    def result(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+        gh = None if self.gh is None else self.gh.to(self.dtypes[0])
+        gb = None if self.gb is None else self.gb.to(self.dtypes[1])
+        return gh, self.gw, gb
+
+
 class _Labels(NamedTuple):
     index: torch.Tensor     # int64, ignored positions replaced by 0
     keep: torch.Tensor      # bool, False at ignored positions
@@ -183,25 +224,19 @@ def _backward(hidden, weight, bias, lab: _Labels, temperature, lse, sbar, g_lp, 
     ``d ent / dz = -p (z - sum p z)`` (``sbar`` is ``sum p z`` per token); each tile's ``dz / T``
     then meets the weight and hidden.
     """
-    n, v, hdim = hidden.shape[0], weight.shape[0], hidden.shape[1]
+    n, v = hidden.shape[0], weight.shape[0]
     cd = _compute_dtype(hidden.dtype)
     inv_t = 1.0 / temperature
-    need_h, need_w, need_b = need
     opts = dict(device=hidden.device, dtype=cd)
     # Fold 1/T into the per-token gradients: dz is linear in them.
     a = None if g_lp is None else (g_lp.to(cd) * inv_t).masked_fill_(~lab.keep, 0.0)
     c = None if g_ent is None else g_ent.to(cd) * inv_t
-    gh = torch.zeros(n, hdim, **opts) if need_h else None
-    low_w = weight.dtype != cd
-    gw = torch.zeros(v, hdim, device=weight.device, dtype=weight.dtype) if need_w else None
-    gb = torch.zeros(v, **opts) if need_b else None
+    grads = Grads(hidden, weight, bias, cd, need)
     for v0 in range(0, v, tiles.cols):
         v1 = min(v, v0 + tiles.cols)
         w = _block(weight[v0:v1], cd)
         b = None if bias is None else _block(bias[v0:v1], cd)
-        gw_blk = None
-        if need_w:
-            gw_blk = torch.zeros(v1 - v0, hdim, **opts) if low_w else gw[v0:v1]
+        grads.start_block(v0, v1)
         for r0 in range(0, n, tiles.rows):
             r1 = min(n, r0 + tiles.rows)
             h = _block(hidden[r0:r1], cd)
@@ -224,18 +259,10 @@ def _backward(hidden, weight, bias, lab: _Labels, temperature, lse, sbar, g_lp, 
                 inside = (idx >= v0) & (idx < v1)
                 src = torch.where(inside, a[r0:r1], torch.zeros((), **opts))
                 dz.scatter_add_(1, (idx - v0).clamp_(0, v1 - v0 - 1).unsqueeze(1), src.unsqueeze(1))
-            if need_h:
-                _add_matmul(gh[r0:r1], dz, w)
-            if need_w:
-                gw_blk.addmm_(dz.t(), h)
-            if need_b:
-                gb[v0:v1] += dz.sum(0)
+            grads.add(r0, r1, v0, v1, dz, h, w)
             del dz
-        if need_w and low_w:
-            gw[v0:v1].copy_(gw_blk)
-    gh = None if gh is None else gh.to(hidden.dtype)
-    gb = None if gb is None else gb.to(bias.dtype)
-    return gh, gw, gb
+        grads.end_block(v0, v1)
+    return grads.result()
 
 
 class _FusedLinearLogprobs(torch.autograd.Function):

@@ -32,7 +32,7 @@ from logprob_registry import reference as ref
 from logprob_registry.amp import backward_without_autocast
 from logprob_registry.dtypes import result_dtype
 
-from .._common import MIN_GEMM_ROWS, first_order_only
+from .._common import MIN_GEMM_ROWS, first_order_only, overlapping
 from . import _hidden
 from . import _rows as loops
 
@@ -370,16 +370,6 @@ def _logits_backward(logits, out, plan: Plan, stats: Stats, index, valid, g_lp, 
     return out
 
 
-def _non_overlapping(t: torch.Tensor) -> bool:
-    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1)
-    span = 0
-    for stride, size in dims:
-        if stride <= span:
-            return False
-        span += stride * (size - 1)
-    return True
-
-
 class _SamplerFunction(torch.autograd.Function):
     """Outputs ``(values or None, entropy or None, ids or None)``; backward by chunks."""
 
@@ -403,7 +393,7 @@ class _SamplerFunction(torch.autograd.Function):
         plan = ctx.plan
         if g_lp is None and g_ent is None:
             return None, None, None, None, None
-        inplace = ctx.inplace and _non_overlapping(logits)
+        inplace = ctx.inplace and not overlapping(logits)
         if inplace:
             out = logits.detach()
         else:
@@ -464,10 +454,6 @@ def _logits_block(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return out
 
 
-def _add_rows_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    _hidden._add_matmul(acc, a, b)
-
-
 class _FusedSampler(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, plan, index, valid, logits_dtype, tiles):
@@ -511,23 +497,18 @@ def _fused_backward(hidden, weight, bias, plan: Plan, stats: Stats, index, valid
                     g_lp, g_ent, need):
     """Tile by tile (vocabulary blocks outside, blocks of rows inside), as the plain fused op: the kept
     set of a tile comes from the stored boundary, so nothing is sorted again."""
-    n, v, hdim = hidden.shape[0], weight.shape[0], hidden.shape[1]
+    n, v = hidden.shape[0], weight.shape[0]
     cdt = plan.cdt
-    need_h, need_w, need_b = need
     if g_lp is not None:
         g_lp = g_lp.reshape(index.shape)
         if valid is not None:
             g_lp = g_lp.masked_fill(~valid, 0.0)
-    opts = dict(device=hidden.device, dtype=cdt)
-    gh = torch.zeros(n, hdim, **opts) if need_h else None
-    low_w = weight.dtype != cdt
-    gw = torch.zeros(v, hdim, device=weight.device, dtype=weight.dtype) if need_w else None
-    gb = torch.zeros(v, **opts) if need_b else None
+    grads = _hidden.Grads(hidden, weight, bias, cdt, need)
     rows = max(1, tiles.rows)
     for v0 in range(0, v, tiles.cols):
         v1 = min(v, v0 + tiles.cols)
         w = weight[v0:v1].to(cdt)
-        gw_blk = (torch.zeros(v1 - v0, hdim, **opts) if low_w else gw[v0:v1]) if need_w else None
+        grads.start_block(v0, v1)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             h = hidden[r0:r1].to(cdt)
@@ -535,18 +516,10 @@ def _fused_backward(hidden, weight, bias, plan: Plan, stats: Stats, index, valid
             dz = backward_tile(src, slice(r0, r1), v0, plan, stats, index,
                                None if g_lp is None else g_lp[r0:r1], None if g_ent is None else g_ent[r0:r1])
             del src
-            if need_h:
-                _add_rows_matmul(gh[r0:r1], dz, w)
-            if need_w:
-                gw_blk.addmm_(dz.t(), h)
-            if need_b:
-                gb[v0:v1] += dz.sum(0)
+            grads.add(r0, r1, v0, v1, dz, h, w)
             del dz
-        if need_w and low_w:
-            gw[v0:v1].copy_(gw_blk)
-    gh = None if gh is None else gh.to(hidden.dtype)
-    gb = None if gb is None else gb.to(bias.dtype)
-    return gh, gw, gb
+        grads.end_block(v0, v1)
+    return grads.result()
 
 
 def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy, budget: int,

@@ -25,7 +25,7 @@ import torch
 from logprob_registry.distributed.tiles import label_columns, n_tiles, tile_stats_
 from logprob_registry.dtypes import result_dtype
 
-from .._common import MIN_GEMM_ROWS, pad_rows
+from .._common import MIN_GEMM_ROWS, overlapping, pad_rows
 from ._rows import chunks
 
 TileStats = Callable[[torch.Tensor, bool], tuple]  # (rows, tile) scratch, with_entropy -> (m, s, t)
@@ -128,7 +128,7 @@ def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, voc
     owned = column = None
     if g_lp is not None:
         owned, column = label_columns(labels, vocab_start, width, None)
-    inplace = inplace_backward and _writable(logits)
+    inplace = inplace_backward and not overlapping(logits)
     out = logits.detach() if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if n == 0:
         return out
@@ -146,17 +146,6 @@ def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, voc
     if inplace and hasattr(torch.autograd.graph, "increment_version"):
         torch.autograd.graph.increment_version(logits)  # its values are gone: stale readers must fail
     return out
-
-
-def _writable(t: torch.Tensor) -> bool:
-    """No two elements of ``t`` share memory (an expanded tensor cannot take its gradient in place)."""
-    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1)
-    span = 0
-    for stride, size in dims:
-        if stride <= span:
-            return False
-        span += stride * (size - 1)
-    return True
 
 
 # ------------------------------------------------------------------------- the fused op

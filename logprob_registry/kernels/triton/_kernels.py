@@ -36,7 +36,7 @@ from logprob_registry import reference as ref
 from logprob_registry.amp import backward_without_autocast
 from logprob_registry.dtypes import result_dtype
 
-from .._common import second_order_gradient
+from .._common import overlapping, second_order_gradient
 
 try:
     INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -398,19 +398,8 @@ def _launch_forward(logits, labels, lp, ent, m, log_s, temperature, ignore_index
         )
 
 
-def _non_overlapping(t: torch.Tensor) -> bool:
-    """True when no two elements of ``t`` share memory (so it can take its gradient in place)."""
-    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1)
-    span = 0
-    for stride, size in dims:
-        if stride <= span:
-            return False
-        span += stride * (size - 1)
-    return True
-
-
 def _backward(logits, labels, g_lp, g_ent, ent, m, log_s, temperature, ignore_index, inplace, softcap=None):
-    if inplace and _non_overlapping(logits):
+    if inplace and not overlapping(logits):
         grad = logits.detach()  # the same memory, without the logits' autograd history
     else:
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
