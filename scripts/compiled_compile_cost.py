@@ -19,6 +19,7 @@ project (the code before prebuilt kernels, say), put it first on PYTHONPATH and 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -71,6 +72,13 @@ def main():
     a = ap.parse_args()
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     work = tempfile.mkdtemp(prefix="first_call_")
+    try:
+        measure(a, modes, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def measure(a, modes, work):
     base = dict(os.environ, LOGPROB_REGISTRY_KERNEL_CACHE="off")
     whats = ([("0", "forward")] if a.forward else []) + [("1", "forward+backward")]
     print(f"shape {a.shape} {a.dtype}; first call and steady call (median of the next 3), in seconds; "

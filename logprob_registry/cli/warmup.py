@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     for b in done:
         took = f"{b.seconds:6.1f} s" if b.status == "built" else "       "
-        print(f"{b.status:8s} {b.spec.label():38s} {took}  {os.path.basename(b.path)}")
+        print(f"{b.status:8s} {b.spec.label():50s} {took}  {os.path.basename(b.path)}")
     print(f"warmup: {summary(done, time.perf_counter() - start)}; a new process loads these instead of compiling",
           flush=True)
     return 0
