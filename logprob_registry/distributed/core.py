@@ -20,6 +20,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .. import validation as v
 from ..registry import Key, get_registry
 from . import header
 from .group import Group
@@ -41,6 +42,21 @@ class Merged(NamedTuple):
     lse: torch.Tensor
     entropy: Optional[torch.Tensor]
     logprobs: Optional[torch.Tensor]
+
+
+def per_row_grads(g_lp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor], lead: tuple, acc: torch.dtype,
+                  labels: Optional[torch.Tensor], ignore_index) -> tuple:
+    """The upstream gradients of logprobs and entropy as a backward's shard op takes them: shape
+    ``lead``, dtype ``acc``, contiguous (an upstream gradient is often expanded), and zero where the
+    label is ``ignore_index`` (None where not given)."""
+    if g_lp is not None:
+        g_lp = g_lp.reshape(lead).to(acc).contiguous()
+        ignore_index = v.check_ignore_index(ignore_index)
+        if ignore_index is not None:
+            g_lp = g_lp.masked_fill(labels == ignore_index, 0.0)
+    if g_ent is not None:
+        g_ent = g_ent.reshape(lead).to(acc).contiguous()
+    return g_lp, g_ent
 
 
 def local_stats(op: str, backend: Optional[str], key: Key, inputs: tuple, options: dict, rows: int, width: int,

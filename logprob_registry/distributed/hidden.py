@@ -103,13 +103,7 @@ class _Call:
         """``(grad_hidden, grad_weight, grad_bias)``: the shard's own, the hidden one summed over the group."""
         lead = hidden.shape[:-1]
         acc = lse.dtype
-        if g_lp is not None:
-            g_lp = g_lp.reshape(lead).to(acc).contiguous()
-            ignore_index = v.check_ignore_index(self.options.get("ignore_index"))
-            if ignore_index is not None:
-                g_lp = g_lp.masked_fill(labels == ignore_index, 0.0)
-        if g_ent is not None:
-            g_ent = g_ent.reshape(lead).to(acc).contiguous()
+        g_lp, g_ent = core.per_row_grads(g_lp, g_ent, lead, acc, labels, self.options.get("ignore_index"))
         failure: Optional[BaseException] = None
         gh = gw = gb = None
         if lse.numel() and (g_lp is not None or g_ent is not None):

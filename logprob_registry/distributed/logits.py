@@ -108,13 +108,7 @@ class _Call:
         if not lse.numel():
             return torch.zeros_like(logits)
         acc = lse.dtype
-        if g_lp is not None:
-            g_lp = g_lp.reshape(lead).to(acc).contiguous()
-            ignore_index = v.check_ignore_index(self.options.get("ignore_index"))
-            if ignore_index is not None:
-                g_lp = g_lp.masked_fill(labels == ignore_index, 0.0)
-        if g_ent is not None:
-            g_ent = g_ent.reshape(lead).to(acc).contiguous()
+        g_lp, g_ent = core.per_row_grads(g_lp, g_ent, lead, acc, labels, self.options.get("ignore_index"))
         options = dict(vocab_start=self.start, temperature=self.temperature, inplace_backward=self.inplace)
         key = Key("shard_grad", logits.device.type, logits.dtype, False)
         inputs = (logits, labels, lse.view(lead), None if entropy is None else entropy.view(lead), g_lp, g_ent)

@@ -20,6 +20,17 @@ def pad_rows(x: torch.Tensor, rows: int = MIN_GEMM_ROWS) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(short, x.shape[1])])
 
 
+def add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` in place, through the same matmul path whatever the number of rows (fewer
+    than MIN_GEMM_ROWS rows are padded), so that a row's result does not depend on its batch."""
+    if a.shape[0] >= MIN_GEMM_ROWS:
+        acc.addmm_(a, b)
+    else:
+        tmp = pad_rows(acc)
+        tmp.addmm_(pad_rows(a), b)
+        acc.copy_(tmp[: acc.shape[0]])
+
+
 def overlapping(x: torch.Tensor) -> bool:
     """Whether two elements of ``x`` share memory (an expanded, stride-0 tensor, say): such logits
     cannot take their gradient in place, so ``inplace_backward=True`` is honoured out of place."""

@@ -210,19 +210,6 @@ def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, voc
                               temperature=temperature, inplace_backward=inplace_backward, budget=workspace_bytes())
 
 
-def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy):
-    return _shards.hidden_shard_stats(hidden, weight, labels, bias=bias, vocab_start=vocab_start, tile=tile,
-                                      temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
-                                      budget=_hidden.resolve_chunk_bytes(hidden.device))
-
-
-def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start,
-                      tile, temperature, needs_grad):
-    return _shards.hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, bias=bias,
-                                     vocab_start=vocab_start, temperature=temperature, needs_grad=needs_grad,
-                                     budget=_hidden.resolve_chunk_bytes(hidden.device), tile=tile)
-
-
 @lr.hookimpl
 def register_backends(register):
     register(lr.Backend(
@@ -235,8 +222,8 @@ def register_backends(register):
             "topk_logprobs": topk_logprobs,
             "shard_stats": shard_stats,
             "shard_grad": shard_grad,
-            "hidden_shard_stats": hidden_shard_stats,
-            "hidden_shard_grad": hidden_shard_grad,
+            "hidden_shard_stats": _shards.hidden_shard_stats,
+            "hidden_shard_grad": _shards.hidden_shard_grad,
         },
         devices={"cpu", "cuda", "npu", "xpu", "mps", "hpu"},
         dtypes=set(FLOAT_DTYPES),

@@ -39,7 +39,7 @@ from logprob_registry import reference as ref
 from logprob_registry.amp import backward_without_autocast
 from logprob_registry.dtypes import result_dtype as _compute_dtype
 
-from .._common import MIN_GEMM_ROWS, pad_rows, second_order_gradient
+from .._common import MIN_GEMM_ROWS, add_matmul, pad_rows, second_order_gradient
 
 #: Bytes of one fp32 tile of logits, by device type ("default" for the others). Small on the CPU,
 #: where a 1024 x 1024 tile already keeps the matmuls as fast as one big matmul; larger on
@@ -106,16 +106,6 @@ def _tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_t: fl
     return z[:rows]
 
 
-def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` in place, through the same matmul path whatever the number of rows."""
-    if a.shape[0] >= MIN_GEMM_ROWS:
-        acc.addmm_(a, b)
-    else:
-        tmp = pad_rows(acc)
-        tmp.addmm_(pad_rows(a), b)
-        acc.copy_(tmp[: acc.shape[0]])
-
-
 class Grads:
     """The gradients of hidden, weight and bias, accumulated tile by tile in the compute dtype ``cd``
     (a weight of another dtype one vocabulary block at a time, rounded once per block) and rounded
@@ -141,7 +131,7 @@ class Grads:
         """A tile's ``dz`` (rows r0:r1, vocabulary v0:v1) meets ``w`` (the block of the weight) and
         ``h`` (the rows of hidden)."""
         if self.gh is not None:
-            _add_matmul(self.gh[r0:r1], dz, w)
+            add_matmul(self.gh[r0:r1], dz, w)
         if self.block is not None:
             self.block.addmm_(dz.t(), h)
         if self.gb is not None:

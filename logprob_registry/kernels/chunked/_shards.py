@@ -25,7 +25,8 @@ import torch
 from logprob_registry.distributed.tiles import label_columns, n_tiles, tile_stats_
 from logprob_registry.dtypes import result_dtype
 
-from .._common import MIN_GEMM_ROWS, overlapping, pad_rows
+from .._common import MIN_GEMM_ROWS, add_matmul, overlapping, pad_rows
+from ._hidden import resolve_chunk_bytes
 from ._rows import chunks
 
 TileStats = Callable[[torch.Tensor, bool], tuple]  # (rows, tile) scratch, with_entropy -> (m, s, t)
@@ -170,24 +171,17 @@ def _tile_logits(h, w, b, temperature, width):
     return z
 
 
-def _add_matmul(acc_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc_out += a @ b`` through the same matmul path whatever the number of rows."""
-    if a.shape[0] >= MIN_GEMM_ROWS:
-        acc_out.addmm_(a, b)
-    else:
-        tmp = pad_rows(acc_out)
-        tmp.addmm_(pad_rows(a), b)
-        acc_out.copy_(tmp[: acc_out.shape[0]])
-
-
 def _hidden_rows(hidden: torch.Tensor, acc: torch.dtype, budget: int, tile: int) -> int:
     return _rows_per_chunk(tile, acc, budget)
 
 
 def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy,
-                       budget: int, stats_fn: Optional[TileStats] = None):
-    """Per-tile statistics of ``hidden @ weight.T + bias`` for a weight shard, one tile of logits at a time."""
+                       budget: Optional[int] = None, stats_fn: Optional[TileStats] = None):
+    """Per-tile statistics of ``hidden @ weight.T + bias`` for a weight shard, one tile of logits at a time
+    (``budget``: bytes of a tile of logits, default :func:`._hidden.resolve_chunk_bytes`; ``stats_fn``:
+    a backend's own tile statistics, as ``compiled`` and ``triton`` pass)."""
     stats_fn = stats_fn or tile_stats_
+    budget = budget or resolve_chunk_bytes(hidden.device)
     acc = result_dtype(hidden.dtype)
     lead, hdim = hidden.shape[:-1], hidden.shape[-1]
     h = hidden.reshape(-1, hdim)
@@ -218,9 +212,11 @@ def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, tempe
 
 
 def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start,
-                      temperature, needs_grad, budget: int, tile: int):
+                      tile, temperature, needs_grad, budget: Optional[int] = None):
     """This shard's share of the hidden gradient (compute dtype), and the weight and bias shards'
-    gradients (their dtypes), recomputing one tile of logits at a time."""
+    gradients (their dtypes), recomputing one tile of logits at a time (``budget`` as in
+    :func:`hidden_shard_stats`)."""
+    budget = budget or resolve_chunk_bytes(hidden.device)
     acc = lse.dtype
     need_h, need_w, need_b = needs_grad
     need_b = need_b and bias is not None
@@ -251,7 +247,7 @@ def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_
                      None if g_lp is None else g_lp[r0:r1], None if g_ent is None else g_ent[r0:r1],
                      inside, (column[r0:r1] - c0).clamp(0, c1 - c0 - 1), temperature)
             if need_h:
-                _add_matmul(gh[r0:r1], dz, w)
+                add_matmul(gh[r0:r1], dz, w)
             if need_w:
                 gw_j.addmm_(pad_rows(dz).t(), pad_rows(hb))
             if need_b:

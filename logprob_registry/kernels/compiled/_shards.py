@@ -119,18 +119,11 @@ def _compiled_tile_stats(z3: torch.Tensor, with_entropy: bool):
 
 
 def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy):
-    from ..chunked import _hidden
-
+    """``chunked``'s loop over tiles of a weight shard, with this backend's tile statistics."""
     return chunked_shards.hidden_shard_stats(
         hidden, weight, labels, bias=bias, vocab_start=vocab_start, tile=tile, temperature=temperature,
-        ignore_index=ignore_index, with_entropy=with_entropy, budget=_hidden.resolve_chunk_bytes(hidden.device),
-        stats_fn=_compiled_tile_stats)
+        ignore_index=ignore_index, with_entropy=with_entropy, stats_fn=_compiled_tile_stats)
 
 
-def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start,
-                      tile, temperature, needs_grad):
-    from ..chunked import _hidden
-
-    return chunked_shards.hidden_shard_grad(
-        hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, bias=bias, vocab_start=vocab_start,
-        temperature=temperature, needs_grad=needs_grad, budget=_hidden.resolve_chunk_bytes(hidden.device), tile=tile)
+#: the fused op's backward is ``chunked``'s (its tiles are matmuls and elementwise work)
+hidden_shard_grad = chunked_shards.hidden_shard_grad
