@@ -1,6 +1,7 @@
 """Per-token log-probabilities of labels from LLM logits, through the best correct backend for the
 device, dtype and torch version at hand. See README.md and docs/."""
 
+from . import call as _call
 from .backend import Backend
 from .hookspecs import hookimpl
 from .ops import (
@@ -36,4 +37,4 @@ __all__ = [
 
 # Detect the environment, load the plugins and resolve the default for the main device now:
 # cheap (no compilation, no kernel launch), never raising, and a broken plugin shows up at once.
-get_registry().resolve_default()
+get_registry().resolve_default(_call.key_for("logprobs"))

@@ -17,43 +17,13 @@ Inputs are taken as they come: a bf16 tensor produced under autocast is bf16 log
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable
 
 import torch
 
-
-def enabled(device_type: str) -> bool:
-    """Whether autocast is on for ``device_type`` tensors in this thread."""
-    try:
-        return bool(torch.is_autocast_enabled(device_type))
-    except (TypeError, RuntimeError):  # a torch before 2.4, or a device type it does not know
-        if device_type == "cpu":
-            return bool(torch.is_autocast_cpu_enabled())
-        return device_type == "cuda" and bool(torch.is_autocast_enabled())
-
-
-def off(device_type: str) -> ContextManager[Any]:
-    """A context with autocast disabled for ``device_type`` (nothing to do when it is off)."""
-    if not enabled(device_type):
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, enabled=False)
-
-
-def backward_without_autocast(backward: Callable) -> Callable:
-    """Decorate an autograd Function's ``backward(ctx, *grads)`` to run with autocast disabled for
-    the device of its incoming gradients."""
-
-    @functools.wraps(backward)
-    def run(ctx, *grads):
-        device: Optional[torch.Tensor] = next((g for g in grads if isinstance(g, torch.Tensor)), None)
-        if device is None:
-            return backward(ctx, *grads)
-        with off(device.device.type):
-            return backward(ctx, *grads)
-
-    return run
+from .kit import autocast_enabled as enabled
+from .kit import autocast_off as off
+from .kit import backward_without_autocast, second_order_gradient
 
 
 class _Isolated(torch.autograd.Function):
@@ -78,8 +48,6 @@ class _Isolated(torch.autograd.Function):
         tensors = ctx.saved_tensors
         with off(ctx.device_type):
             if torch.is_grad_enabled():  # create_graph=True: differentiate the call on the saved inputs
-                from .kernels._common import second_order_gradient
-
                 wanted = tuple(t if need else None for t, need in zip(tensors, ctx.needs_input_grad[3:]))
                 return (None, None, None) + second_order_gradient(lambda: _tuple(ctx.run(*tensors)), wanted, grads)
             pairs = [(o, g) for o, g in zip(ctx.outs, grads) if g is not None and o.requires_grad]

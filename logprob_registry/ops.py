@@ -1,19 +1,18 @@
-"""The public functions: validate the inputs, build the key, dispatch through the registry with the
-options the op table (:mod:`.opspec`) says a backend receives, return its result."""
+"""The public functions: each validates its call once (:func:`.call.validate`), then dispatches it
+through the registry (or, with ``process_group=``, hands it to the vocabulary-parallel path), and
+returns what the backend returned. Their signatures are the public API; their bodies are one line."""
 
 from __future__ import annotations
 
-import re
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Mapping, Optional, Tuple, Union
 
 import torch
 
-from . import amp, config
+from . import amp
 from . import validation as v
 from .backend import Backend
-from .opspec import OPS
-from .opspec import get as get_spec
-from .registry import Key, get_registry, vocab_bucket
+from .call import Call, key_for, shape_vocab, validate
+from .registry import get_registry
 from .report import Explanation
 
 if hasattr(torch.library, "custom_op"):  # torch >= 2.4: calls inside torch.compile become a custom op
@@ -21,59 +20,32 @@ if hasattr(torch.library, "custom_op"):  # torch >= 2.4: calls inside torch.comp
 else:  # pragma: no cover - an older torch traces through the registry, with graph breaks
     traced = None
 
-_DEVICE_TYPE = re.compile(r"^([a-z][a-z0-9_]*)(:\d+)?$")
-_FUNCTORCH = frozenset({"functorch"})
-_CANDIDATES = frozenset({"candidates"})
+
+def _run(op: str, given: Mapping[str, Any]) -> Any:
+    """Validate the public function's arguments ``given`` and run the call."""
+    if given.get("process_group") is None:
+        return dispatch(validate(op, given))
+    from .distributed import sharded
+
+    try:
+        call: Union[Call, BaseException] = validate(op, given)
+    except Exception as exc:  # raised on every rank, after the header exchange
+        call = exc
+    return sharded.run(op, call, given["process_group"])
 
 
-def _dispatch(op: str, backend: Optional[str], inputs: Tuple[Any, ...], options: Dict[str, Any],
-              on: torch.Tensor, grad: bool, candidates: bool = False) -> Any:
+def dispatch(call: Call) -> Any:
+    """Run a validated call through the registry's choice, with the options its backend receives."""
+    key, backend = call.key, call.backend
     if traced is not None and v.traced():  # the backend is chosen at run time, in the op's eager body
-        return traced.call(op, backend, inputs, options)
-    features = OPS[op].features_used(options)
-    if candidates:
-        features = features | _CANDIDATES
-    if v.inside_functorch_transform():
-        features = features | _FUNCTORCH
-    vocab = vocab_bucket(inputs[1].shape[0] if op == "logprobs_from_hidden" else on.shape[-1])
-    key = Key(op, on.device.type, on.dtype, grad, features, vocab)
+        return traced.call(call.op, backend, call.inputs, dict(call.options))
     if amp.enabled(key.device):  # backends compute as the contract says, forward and backward
-        call = lambda given, opts: get_registry().call(key, backend, given, opts)
-        if grad and _FUNCTORCH.isdisjoint(features):
-            return amp.call_isolated(call, inputs, options, key.device)
+        run = lambda given, opts: get_registry().call(key, backend, given, opts)
+        if call.grad and "functorch" not in call.features:
+            return amp.call_isolated(run, call.inputs, call.options, key.device)
         with amp.off(key.device):
-            return call(inputs, options)
-    return get_registry().call(key, backend, inputs, options)
-
-
-def _sharded(op: str, tensors: Tuple[Any, ...], options: Dict[str, Any], process_group: Any, vocab_start: Any,
-             backend: Optional[str]) -> Any:
-    """A call with ``process_group=``: the vocabulary-parallel path (:mod:`.distributed`), which
-    validates on every rank and raises the same error on every rank."""
-    if process_group is None:
-        raise ValueError(f"vocab_start={vocab_start!r} was given without process_group; vocab_start places this "
-                         "rank's vocabulary shard within a process group: pass process_group= too, or neither")
-    if op == "logprobs_from_hidden":
-        from .distributed import hidden
-
-        return hidden.run(*tensors, options, process_group, vocab_start, backend)
-    from .distributed import logits
-
-    return logits.run(op, tensors[0], tensors[1] if len(tensors) > 1 else None, options, process_group,
-                      vocab_start, backend)
-
-
-def _logits_options(logits, labels, temperature, ignore_index, softcap, top_k, top_p, min_p, keep):
-    """Validated (logits, labels, options) of a logits op; ``labels`` may be None (entropy)."""
-    config.check()
-    logits = v.check_logits(logits)
-    options: Dict[str, Any] = dict(temperature=v.check_temperature(temperature))
-    if labels is not None:
-        labels = v.check_labels(labels, logits, "logits", candidates=True)
-        options["ignore_index"] = v.check_ignore_index(ignore_index)
-        v.check_label_range(labels, logits.shape[-1], options["ignore_index"])
-    options.update(v.sampler_options(softcap, top_k, top_p, min_p, keep, logits.shape, logits.device))
-    return logits, labels, options
+            return run(call.inputs, call.options)
+    return get_registry().call(key, backend, call.inputs, call.options)
 
 
 def logprobs_from_logits(
@@ -108,15 +80,7 @@ def logprobs_from_logits(
     V_local``, then every shard must have the same width), and ``labels`` are global ids, the same on
     every rank; every rank gets the complete result (docs/distributed.md).
     """
-    if process_group is not None or vocab_start is not None:
-        options = dict(temperature=temperature, ignore_index=ignore_index, inplace_backward=inplace_backward,
-                       softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep)
-        return _sharded("logprobs", (logits, labels), options, process_group, vocab_start, backend)
-    logits, labels, options = _logits_options(logits, labels, temperature, ignore_index,
-                                              softcap, top_k, top_p, min_p, keep)
-    options["inplace_backward"] = v.check_flag(inplace_backward, "inplace_backward")
-    return _dispatch("logprobs", backend, (logits, labels), options, logits, v.needs_grad(logits),
-                     v.has_candidates(labels, logits))
+    return _run("logprobs", locals())
 
 
 def entropy_from_logits(
@@ -135,11 +99,7 @@ def entropy_from_logits(
     """Entropy of the processed distribution (see :func:`logprobs_from_logits`) over the last
     dimension, in at least fp32. ``process_group``, ``vocab_start``: a vocabulary shard, as in
     :func:`logprobs_from_logits`."""
-    if process_group is not None or vocab_start is not None:
-        options = dict(temperature=temperature, softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep)
-        return _sharded("entropy", (logits,), options, process_group, vocab_start, backend)
-    logits, _, options = _logits_options(logits, None, temperature, None, softcap, top_k, top_p, min_p, keep)
-    return _dispatch("entropy", backend, (logits,), options, logits, v.needs_grad(logits))
+    return _run("entropy", locals())
 
 
 def logprobs_and_entropy(
@@ -161,15 +121,7 @@ def logprobs_and_entropy(
     """``(logprobs, entropy)`` in one call, both of the same processed distribution; see
     :func:`logprobs_from_logits` (``process_group`` and ``vocab_start`` included). The entropy of
     an ignored position is computed as usual."""
-    if process_group is not None or vocab_start is not None:
-        options = dict(temperature=temperature, ignore_index=ignore_index, inplace_backward=inplace_backward,
-                       softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep)
-        return _sharded("logprobs_and_entropy", (logits, labels), options, process_group, vocab_start, backend)
-    logits, labels, options = _logits_options(logits, labels, temperature, ignore_index,
-                                              softcap, top_k, top_p, min_p, keep)
-    options["inplace_backward"] = v.check_flag(inplace_backward, "inplace_backward")
-    return _dispatch("logprobs_and_entropy", backend, (logits, labels), options, logits, v.needs_grad(logits),
-                     v.has_candidates(labels, logits))
+    return _run("logprobs_and_entropy", locals())
 
 
 def logprobs_from_hidden(
@@ -204,23 +156,7 @@ def logprobs_from_hidden(
     placed at ``vocab_start`` (see :func:`logprobs_from_logits`); every rank gets the complete result
     and, in backward, the complete hidden gradient (every rank must run the backward).
     """
-    if process_group is not None or vocab_start is not None:
-        options = dict(bias=bias, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy,
-                       softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep, logits_dtype=logits_dtype)
-        return _sharded("logprobs_from_hidden", (hidden, weight, labels), options, process_group, vocab_start,
-                        backend)
-    config.check()
-    hidden, weight, bias = v.check_hidden(hidden, weight, bias)
-    labels = v.check_labels(labels, hidden, "hidden", candidates=True)
-    ignore_index = v.check_ignore_index(ignore_index)
-    v.check_label_range(labels, weight.shape[0], ignore_index)
-    logits_shape = hidden.shape[:-1] + (weight.shape[0],)
-    options = dict(bias=bias, temperature=v.check_temperature(temperature), ignore_index=ignore_index,
-                   return_entropy=v.check_flag(return_entropy, "return_entropy"),
-                   **v.sampler_options(softcap, top_k, top_p, min_p, keep, logits_shape, hidden.device),
-                   logits_dtype=v.check_logits_dtype(logits_dtype))
-    return _dispatch("logprobs_from_hidden", backend, (hidden, weight, labels), options, hidden,
-                     v.needs_grad(hidden, weight, bias), v.has_candidates(labels, hidden))
+    return _run("logprobs_from_hidden", locals())
 
 
 def topk_logprobs(
@@ -246,31 +182,11 @@ def topk_logprobs(
         raise NotImplementedError("topk_logprobs(..., process_group=...) is not supported yet: gather the "
                                   "logits (or each rank's own topk_logprobs of its shard) to one rank, or call "
                                   "without process_group")
-    logits, _, options = _logits_options(logits, None, temperature, None, softcap, top_k, top_p, min_p, keep)
-    options["k"] = v.check_k(k, logits.shape[-1])
-    return _dispatch("topk_logprobs", backend, (logits,), options, logits, v.needs_grad(logits))
+    return _run("topk_logprobs", locals())
 
 
-def _key(op: str, device, dtype, requires_grad: bool, shape=None) -> Key:
-    get_spec(op)
-    if shape is not None:
-        shape = tuple(shape.shape if isinstance(shape, torch.Tensor) else shape)
-        if not shape or not all(isinstance(n, int) and n >= 0 for n in shape):
-            raise ValueError(f"shape must be the logits' shape (..., V), such as (8, 512, 32000), got {shape!r}")
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
-    if device is None:
-        device_type = get_registry().environment().main_device
-    elif isinstance(device, torch.device):
-        device_type = device.type
-    elif isinstance(device, str) and _DEVICE_TYPE.match(device.strip()):
-        # Parsed here: torch.device("npu") fails unless torch_npu is imported, and explain() must
-        # answer for devices this machine lacks.
-        device_type = _DEVICE_TYPE.match(device.strip()).group(1)
-    else:
-        raise ValueError(f"device must be a device type such as 'cpu', 'cuda' or 'cuda:1', got {device!r}")
-    vocab = vocab_bucket(shape[-1]) if shape is not None else 0
-    return Key(op, device_type, dtype or torch.float32, bool(requires_grad), vocab=vocab)
+def _key(op: str, device, dtype, requires_grad: bool, shape=None):
+    return key_for(op, device=device, dtype=dtype, requires_grad=requires_grad, vocab=shape_vocab(shape))
 
 
 def select(

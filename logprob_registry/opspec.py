@@ -3,8 +3,13 @@
 One :class:`OpSpec` per op names its positional inputs, the keyword options that come with them
 (with their defaults), and what it returns. Everything that knows about ops reads this table: the
 ``Backend`` record (which ops exist), the public functions (what a backend is called with), the
-conformance suite's harness, ``bench`` and ``info``. Adding an op or a keyword is one entry here
-plus its kernels and its conformance tests.
+conformance suite's harness, ``bench``, ``tune`` and ``info``. Adding an op or a keyword is one entry
+here plus its kernels and its conformance tests.
+
+Each public op also says what it *means*: its ``reference`` (the function of
+:mod:`logprob_registry.reference` computing the float64 ground truth, :meth:`OpSpec.ground_truth`)
+and how to make example inputs for a shape, dtype and device (:meth:`OpSpec.example`, each input
+made by name from :data:`INPUTS`). The suite's harness, ``bench`` and ``tune`` read both.
 
 An option with a ``feature`` is optional for backends: only backends that declare the feature in
 ``Backend(features=...)`` receive it, and a call that uses it (a value other than the default)
@@ -13,8 +18,15 @@ goes only to them. Options without a feature reach every backend of the op.
 
 from __future__ import annotations
 
+import inspect
+import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import sampler as sampler_fields
+from .dtypes import result_dtype
 
 _UNSET: Any = object()
 _NO_FEATURES: frozenset = frozenset()
@@ -34,6 +46,112 @@ class Option:
         return not (value is self.default or (self.default is not None and value == self.default))
 
 
+class InputKind(NamedTuple):
+    """How an example of one input (by its name in the op table) is made (:meth:`OpSpec.example`)."""
+
+    dims: str      # its shape: "..." the positions (the logits' leading dims), V the vocabulary, H the hidden size
+    integer: bool  # int64 ids in [0, V), not a float tensor of the example's dtype
+    doc: str
+
+    @property
+    def per_token(self) -> bool:
+        """Whether it has one entry per position (its leading dims are the logits')."""
+        return self.dims.startswith("...")
+
+    def shape(self, lead: Sequence[int], vocab: int, hidden_size: int = 0) -> Tuple[int, ...]:
+        """Its shape for positions ``lead`` (the logits' leading dims), a vocabulary of ``vocab`` and a
+        hidden size ``hidden_size``."""
+        rest = self.dims[3:] if self.per_token else self.dims
+        size = dict(V=vocab, H=hidden_size)
+        return (tuple(lead) if self.per_token else ()) + tuple(size[d] for d in rest)
+
+
+#: The inputs an example can be made of. Logits are standard normal times :data:`LOGITS_SCALE` (a
+#: peaked softmax, as a trained model's); the weight is scaled so that ``hidden @ weight.T`` is too.
+INPUTS: Mapping[str, InputKind] = {
+    "logits": InputKind("...V", False, "standard normal, scaled by 3 so that the softmax is peaked as a model's is"),
+    "labels": InputKind("...", True, "uniform over the vocabulary"),
+    "hidden": InputKind("...H", False, "standard normal"),
+    "weight": InputKind("VH", False, "normal, scaled by 3/sqrt(H) so that the logits are like the logits ops' inputs"),
+}
+LOGITS_SCALE = 3.0
+DEFAULT_HIDDEN_SIZE = 64
+
+
+def input_scale(name: str, shape: Sequence[int]) -> float:
+    """The factor of input ``name``'s standard normal values (see :data:`INPUTS`)."""
+    if name == "logits":
+        return LOGITS_SCALE
+    if name == "weight":
+        return LOGITS_SCALE / math.sqrt(max(shape[-1], 1))
+    return 1.0
+
+
+def make_input(name: str, shape: Sequence[int], dtype: torch.dtype, generator: torch.Generator, vocab: int = 0,
+               scale: Optional[float] = None) -> torch.Tensor:
+    """One example input ``name`` of ``shape``, on the CPU, from ``generator``: ids uniform in
+    ``[0, vocab)`` (int64; ``dtype`` is ignored), or float values drawn in ``dtype``'s result dtype
+    (float32, float64 for float64), times ``scale`` (default: :func:`input_scale`), then rounded to
+    ``dtype``; so every device sees the same numbers, and every half-precision dtype the same ones
+    rounded."""
+    shape = tuple(shape)
+    if INPUTS[name].integer:
+        return torch.randint(0, max(vocab, 1), shape, generator=generator)
+    factor = input_scale(name, shape) if scale is None else scale
+    work, n = result_dtype(dtype), math.prod(shape)
+    if work == dtype or n <= _DRAW_BLOCK:
+        x = torch.randn(shape, generator=generator, dtype=work)
+        return (x.mul_(factor) if factor != 1.0 else x).to(dtype)
+    # A large half-precision input (bench's presets): drawn block by block, so that no float32 copy
+    # of the whole exists.
+    out = torch.empty(n, dtype=dtype)
+    for start in range(0, n, _DRAW_BLOCK):
+        block = torch.randn(min(_DRAW_BLOCK, n - start), generator=generator, dtype=work)
+        out[start:start + block.numel()] = block.mul_(factor) if factor != 1.0 else block
+    return out.view(shape)
+
+
+_DRAW_BLOCK = 1 << 24
+
+
+class Example(NamedTuple):
+    """Example inputs of an op (:meth:`OpSpec.example`): ``spec.public()(*example.args,
+    **example.options)`` calls it, ``spec.ground_truth(*example.args, **example.options)`` is its
+    float64 reference."""
+
+    inputs: Dict[str, torch.Tensor]  # by name, in the op's order
+    options: Dict[str, Any]          # keyword options: those asked for, and any the public function requires
+
+    @property
+    def args(self) -> Tuple[torch.Tensor, ...]:
+        return tuple(self.inputs.values())
+
+
+def examples_by_name(spec: "OpSpec", shape: Sequence[int], dtype: torch.dtype, device: Any, requires_grad: bool,
+                     seed: int, hidden_size: Optional[int], options: Mapping[str, Any]) -> Example:
+    """The example maker of an op whose every input is in :data:`INPUTS`: each made by
+    :func:`make_input` from one generator seeded with ``seed``, in the op's input order, on the CPU,
+    then moved to ``device``; with ``requires_grad``, the float inputs among ``spec.grad_inputs``
+    require gradients (leaves on ``device``). The options are those given, and the op table's default
+    of each option the public function requires (``topk_logprobs``' ``k``)."""
+    lead, vocab = tuple(shape[:-1]), int(shape[-1])
+    h = DEFAULT_HIDDEN_SIZE if hidden_size is None else int(hidden_size)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    inputs = {}
+    for name in spec.inputs:
+        kind = INPUTS[name]
+        x = make_input(name, kind.shape(lead, vocab, h), dtype, gen, vocab).to(device)
+        if requires_grad and not kind.integer and name in spec.grad_inputs:
+            x.requires_grad_(True)
+        inputs[name] = x
+    given = dict(options)
+    if spec.function is not None:  # options the public function requires (topk_logprobs' k): their defaults
+        for name, p in inspect.signature(spec.public()).parameters.items():
+            if p.default is p.empty and name in spec.option_index and name not in given:
+                given[name] = spec.option_index[name].default
+    return Example(inputs, given)
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """One op: ``backend.ops[name](*inputs, **options)`` returns ``outputs``."""
@@ -47,6 +165,11 @@ class OpSpec:
     dtype_input: str           # the input whose device and dtype select the backend
     grad_inputs: Tuple[str, ...]  # inputs (or tensor options) whose requires_grad asks for a backward
     tuple_when: Optional[str] = None  # a boolean option that makes it return all of ``outputs``
+    # The float64 ground truth: the name of a function of logprob_registry.reference, called
+    # ``(*inputs, dtype=..., **options)`` (named, so that this table imports no formulas); None: none.
+    reference: Optional[str] = None
+    # How to make example inputs (see :meth:`example`); None: the op has none (the shard ops).
+    examples: Optional[Callable[..., Example]] = None
     option_index: Dict[str, Option] = field(init=False, repr=False, compare=False)
     _featured: Tuple[Option, ...] = field(init=False, repr=False, compare=False)
     _names: Dict[frozenset, Tuple[str, ...]] = field(init=False, repr=False, compare=False)
@@ -62,6 +185,53 @@ class OpSpec:
         if self.tuple_when is not None and not (options or {}).get(self.tuple_when, False):
             return self.outputs[:1]
         return self.outputs
+
+    def options_of(self, given: Mapping[str, Any]) -> Dict[str, Any]:
+        """The entries of ``given`` that are options of this op (``ignore_index`` is not the entropy's)."""
+        return {k: v for k, v in given.items() if k in self.option_index}
+
+    def reference_function(self) -> Callable[..., Any]:
+        """The function of :mod:`logprob_registry.reference` computing this op's ground truth."""
+        if self.reference is None:
+            raise ValueError(f"op {self.name!r} has no reference in the op table")
+        from . import reference
+
+        return getattr(reference, self.reference)
+
+    def ground_truth(self, *inputs: Any, dtype: torch.dtype = torch.float64, **options: Any) -> Tuple[Any, ...]:
+        """What the op returns for ``inputs`` and ``options``, by the textbook formulas in ``dtype``
+        (float64: the ground truth the suite, ``bench`` and ``tune`` compare with), computed where the
+        inputs are (autograd flows through them); always a tuple, one entry per output the call
+        returns (:meth:`output_names`). Options not given take their defaults; those that say how, not
+        what (``inplace_backward``) are ignored; one the op does not take raises TypeError."""
+        unknown = [k for k in options if k not in self.option_index]
+        if unknown:
+            raise TypeError(f"op {self.name!r} takes no option {', '.join(map(repr, unknown))}")
+        if len(inputs) != len(self.inputs):
+            raise TypeError(f"op {self.name!r} takes {len(self.inputs)} inputs ({', '.join(self.inputs)}), "
+                            f"got {len(inputs)}")
+        function = self.reference_function()
+        accepted = _parameters(function)
+        kwargs = {o.name: options.get(o.name, o.default) for o in self.options if o.name in accepted}
+        out = function(*inputs, dtype=dtype, **kwargs)
+        out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        assert len(out) == len(self.output_names(options)), (self.name, len(out))
+        return out
+
+    def example(self, shape: Sequence[int], dtype: torch.dtype = torch.float32,
+                device: Union[str, torch.device] = "cpu", requires_grad: bool = False, seed: int = 0,
+                hidden_size: Optional[int] = None, **options: Any) -> Example:
+        """Example inputs of this op: ``shape`` is that of the logits it reduces ``(..., V)`` (given,
+        or formed from hidden states ``(..., H)`` of ``hidden_size`` and a weight ``(V, H)``), inputs
+        of ``dtype`` on ``device`` (labels int64), the same numbers for a ``seed`` everywhere; with
+        ``requires_grad`` the differentiable inputs require gradients. ``options`` are checked and
+        passed along. A ValueError for an op without an example maker (the shard ops)."""
+        if self.examples is None:
+            raise ValueError(f"op {self.name!r} has no example inputs in the op table")
+        unknown = [k for k in options if k not in self.option_index]
+        if unknown:
+            raise TypeError(f"op {self.name!r} takes no option {', '.join(map(repr, unknown))}")
+        return self.examples(self, tuple(shape), dtype, device, requires_grad, seed, hidden_size, options)
 
     def features_used(self, options: Mapping[str, Any]) -> frozenset:
         """The backend features a call with these option values needs (validation has already
@@ -98,25 +268,24 @@ class OpSpec:
         return getattr(logprob_registry, self.function)
 
 
+_PARAMETERS: Dict[Callable[..., Any], frozenset] = {}
+
+
+def _parameters(function: Callable[..., Any]) -> frozenset:
+    names = _PARAMETERS.get(function)
+    if names is None:
+        names = _PARAMETERS[function] = frozenset(inspect.signature(function).parameters)
+    return names
+
+
 _TEMPERATURE = Option("temperature", 1.0, "float > 0: the (softcapped) logits are divided by it")
 _IGNORE_INDEX = Option("ignore_index", None,
                        "int or None: positions whose label equals it give 0 and a zero gradient")
 _INPLACE = Option("inplace_backward", False,
                   "bool: backward may write the logits' gradient over the logits' storage")
-# The sampler's processing, in its order: softcap, temperature, min_p, top_k, top_p, keep; then the
-# log-softmax over the kept tokens (a label outside them gives -inf and a zero gradient).
-_SAMPLER = (
-    Option("softcap", None, "float > 0 or None: z -> softcap * tanh(z / softcap), before the temperature",
-           feature="softcap"),
-    Option("top_k", None, "int >= 1 or None: keep the top_k largest logits (every logit equal to the "
-                          "k-th largest is kept)", feature="top_k"),
-    Option("top_p", None, "float in (0, 1) or None: keep the most probable tokens whose mass reaches "
-                          "top_p (computed after top_k; at least one token)", feature="top_p"),
-    Option("min_p", None, "float in (0, 1] or None: drop tokens less probable than min_p times the "
-                          "most probable one", feature="min_p"),
-    Option("keep", None, "bool (..., V) or int64 ids (..., K) (-1 for none), or None: only these tokens "
-                         "(the sampler's own mask)", feature="keep"),
-)
+# The sampler's keywords (logprob_registry.sampler.FIELDS, in the sampler's order), each an option
+# that only backends declaring the feature of the same name receive.
+_SAMPLER = tuple(Option(f.name, None, f.doc, feature=f.name) for f in sampler_fields.FIELDS)
 _LABELS = ("labels (...) int32/int64 give (...); labels (..., K) give the K candidates' logprobs "
            "(..., K) in one pass (feature 'candidates')")
 # The vocabulary-parallel ops' options (see logprob_registry.distributed).
@@ -143,6 +312,7 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
         doc="log_softmax(processed logits)[..., labels]: logits (..., V); " + _LABELS
             + "; float32 (float64 for float64 logits)",
         dtype_input="logits", grad_inputs=("logits",),
+        reference="logprobs", examples=examples_by_name,
     ),
     OpSpec(
         name="entropy", function="entropy_from_logits",
@@ -152,6 +322,7 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
         doc="entropy of softmax(processed logits) over the last dim: logits (..., V); "
             "float32 (float64 for float64 logits) of shape (...)",
         dtype_input="logits", grad_inputs=("logits",),
+        reference="entropy", examples=examples_by_name,
     ),
     OpSpec(
         name="logprobs_and_entropy", function="logprobs_and_entropy",
@@ -160,6 +331,7 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
         outputs=("logprobs", "entropy"),
         doc="both of the above in one pass; the entropy of an ignored position is computed as usual",
         dtype_input="logits", grad_inputs=("logits",),
+        reference="logprobs_and_entropy", examples=examples_by_name,
     ),
     OpSpec(
         name="logprobs_from_hidden", function="logprobs_from_hidden",
@@ -175,6 +347,7 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
         doc="logprobs of labels under hidden @ weight.T + bias without forming the (N, V) logits: "
             "hidden (..., H), weight (V, H), one dtype for hidden, weight and bias",
         dtype_input="hidden", grad_inputs=("hidden", "weight", "bias"),
+        reference="logprobs_from_hidden", examples=examples_by_name,
     ),
     OpSpec(
         name="topk_logprobs", function="topk_logprobs",
@@ -184,6 +357,7 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
         doc="the k largest processed logprobs (float32, (..., k)) and their ids (int64), largest first, "
             "ties by smaller id; -inf (and the smallest ids left) where fewer than k tokens are kept",
         dtype_input="logits", grad_inputs=("logits",),
+        reference="topk_logprobs", examples=examples_by_name,
     ),
     OpSpec(
         name="shard_stats", function=None,
@@ -239,7 +413,7 @@ FEATURES: Mapping[str, str] = {
     "logits_dtype": "logprobs_from_hidden's logits_dtype option: logits rounded to bf16/fp16 before the softmax",
 }
 #: The features that truncate the distribution (a label outside the kept set gives -inf).
-TRUNCATION = frozenset({"top_k", "top_p", "min_p", "keep"})
+TRUNCATION = sampler_fields.TRUNCATION
 
 
 def get(op: str) -> OpSpec:
@@ -248,6 +422,15 @@ def get(op: str) -> OpSpec:
         return OPS[op]
     except (KeyError, TypeError):
         raise ValueError(f"unknown op {op!r}; ops: {', '.join(OPS)}") from None
+
+
+def logits_op(logprobs: bool, entropy: bool) -> OpSpec:
+    """The public op over logits returning the log-probabilities of labels and/or the entropy, as asked."""
+    wanted = tuple(name for name, want in (("logprobs", logprobs), ("entropy", entropy)) if want)
+    for spec in OPS.values():
+        if spec.function is not None and spec.dtype_input == "logits" and spec.outputs == wanted:
+            return spec
+    raise ValueError(f"no op over logits returns {wanted or 'nothing'}")
 
 
 def describe() -> str:

@@ -284,12 +284,17 @@ def _lm_head(model: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     return head.weight, getattr(head, "bias", None)
 
 
-def _selected_backend(op: str, on: torch.Tensor, options: Dict[str, Any]) -> str:
-    from .opspec import OPS
-    from .registry import Key, get_registry
+def _selected_backend(inputs: tuple, temperature: float, sampler: Dict[str, Any]) -> str:
+    """The backend the registry selects for the replay call :func:`_registry` makes on ``inputs``."""
+    from .call import validate
+    from .registry import get_registry
 
-    key = Key(op, on.device.type, on.dtype, False, OPS[op].features_used(options))
-    return get_registry().select(key).name
+    *tensors, keywords = inputs
+    op, names = (("logprobs_from_hidden", ("hidden", "weight", "labels")) if len(tensors) == 3
+                 else ("logprobs", ("logits", "labels")))
+    with torch.no_grad():
+        call = validate(op, dict(zip(names, tensors), temperature=temperature, **keywords, **sampler))
+    return get_registry().select(call.key).name
 
 
 def check_model(model: Any, name: str = "model", settings: Settings = Settings(),
@@ -319,7 +324,7 @@ def check_model(model: Any, name: str = "model", settings: Settings = Settings()
     rows: Dict[str, List[torch.Tensor]] = {k: [] for k in ("gen", "replay", "full", "mass", "count")}
     sequences: List[torch.Tensor] = []
     drift = product = max_logit = 0.0
-    most_kept, source, on = 0, "hidden", None
+    most_kept, source = 0, "hidden"
     torch.manual_seed(settings.seed)
     for prompt in prompts:
         prompt = prompt.to(device=device, dtype=torch.long).flatten()
@@ -348,11 +353,9 @@ def check_model(model: Any, name: str = "model", settings: Settings = Settings()
             if float((mine.float() - forward.float()).abs().max()) > tolerance:
                 source = "logits"
         if source == "hidden":
-            on, options = hidden, dict(softcap=cap, logits_dtype=logits_dtype, **sampler)
             product = max(product, _product_bound(hidden, weight, bias))
             inputs = (hidden, weight, ids, dict(bias=bias, softcap=cap, logits_dtype=logits_dtype))
         else:
-            on, options = forward, dict(sampler)
             inputs = (forward, ids, {})
         rows["replay"].append(_registry(inputs, T, backend, sampler))
         rows["full"].append(_registry(inputs, T, backend, {}))
@@ -360,11 +363,10 @@ def check_model(model: Any, name: str = "model", settings: Settings = Settings()
     data = TokenData(sequences, int(prompts[0].numel()),
                      *(torch.cat(rows[k]).cpu() for k in ("gen", "replay", "full", "mass", "count")))
     replay, full = metrics(data.replay, data.generation), metrics(data.full, data.generation)
-    op = "logprobs_from_hidden" if source == "hidden" else "logprobs"
     u = _unit(dtype)
     return ModelReport(
         model=name, dtype=dtype_name(dtype), softcap=cap, vocab_size=vocab, settings=settings,
-        backend=backend or _selected_backend(op, on, options),
+        backend=backend or _selected_backend(inputs, T, sampler),
         source=source, replay=replay, full=full,
         predicted_mean_ratio=float(data.kept_mass.mean()),
         observed_mean_ratio=full.mean_ratio,

@@ -30,7 +30,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .dtypes import result_dtype
+from .dtypes import result_dtype  # noqa: F401 - public here too (reference.result_dtype)
+from .sampler import Sampler
 
 NEG_INF = float("-inf")
 
@@ -61,16 +62,6 @@ def _entropy(x: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------ the sampler's processing
-def sampler_used(softcap=None, top_k=None, top_p=None, min_p=None, keep=None) -> bool:
-    """Whether any sampler keyword changes anything (validated values: None when disabled)."""
-    return softcap is not None or truncates(top_k, top_p, min_p, keep)
-
-
-def truncates(top_k=None, top_p=None, min_p=None, keep=None) -> bool:
-    """Whether the keywords can drop tokens (a label outside the kept set then gives -inf)."""
-    return top_k is not None or top_p is not None or min_p is not None or keep is not None
-
-
 def softcapped(logits: torch.Tensor, softcap: float, logits_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``softcap * tanh(logits / softcap)`` in float64 (differentiable): -inf stays -inf (a masked
     token stays masked), NaN stays NaN.
@@ -319,7 +310,7 @@ class _Processed:
         self.z = processed_logits(logits, temperature=temperature, softcap=softcap, dtype=dtype,
                                   logits_dtype=logits_dtype)
         self.kept = None
-        if truncates(top_k, top_p, min_p, keep):
+        if Sampler(top_k=top_k, top_p=top_p, min_p=min_p, keep=keep).truncates:
             self.kept = kept_tokens(logits, temperature=temperature, softcap=softcap, top_k=top_k,
                                     top_p=top_p, min_p=min_p, keep=keep, logits_dtype=logits_dtype)
             self.logp, self.outside = _truncated(self.z, self.kept)
@@ -353,7 +344,7 @@ def logprobs(
     ``logits_dtype`` (not a keyword of the public logits ops: ``logprobs_from_hidden`` passes its
     own): the dtype of the engine's lm_head, in which the softcap then runs (:func:`softcapped`);
     without a softcap it changes nothing here."""
-    if not sampler_used(softcap, top_k, top_p, min_p, keep):
+    if not Sampler(softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep).used:
         return _gather(_prepare(logits, temperature, dtype).log_softmax(-1), labels, ignore_index)
     d = _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype)
     return d.gather(labels, ignore_index)
@@ -364,7 +355,7 @@ def entropy(logits: torch.Tensor, *, temperature: float = 1.0, dtype: torch.dtyp
             min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None,
             logits_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Entropy of the processed distribution (over the kept tokens); ``logits_dtype`` as in :func:`logprobs`."""
-    if not sampler_used(softcap, top_k, top_p, min_p, keep):
+    if not Sampler(softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep).used:
         x = _prepare(logits, temperature, dtype)
         return _entropy(x, x.log_softmax(-1))
     return _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype).entropy()
@@ -376,7 +367,7 @@ def logprobs_and_entropy(
     softcap: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
     min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None, logits_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    if not sampler_used(softcap, top_k, top_p, min_p, keep):
+    if not Sampler(softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep).used:
         x = _prepare(logits, temperature, dtype)
         logp = x.log_softmax(-1)
         return _gather(logp, labels, ignore_index), _entropy(x, logp)
@@ -467,16 +458,3 @@ def logprobs_from_hidden(
     if return_entropy:
         return logprobs_and_entropy(logits, labels, ignore_index=ignore_index, **kw)
     return logprobs(logits, labels, ignore_index=ignore_index, **kw)
-
-
-def outputs(logits: torch.Tensor, labels: Optional[torch.Tensor], *, temperature: float,
-            ignore_index: Optional[int], want_logprobs: bool, want_entropy: bool, **sampler):
-    """What the op wanting ``want_logprobs``/``want_entropy`` returns, by these formulas in the
-    ops' result dtype: for backends' degenerate inputs (nothing to chunk or compile for)."""
-    dtype = result_dtype(logits.dtype)
-    if want_logprobs and want_entropy:
-        return logprobs_and_entropy(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype,
-                                    **sampler)
-    if want_logprobs:
-        return logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype, **sampler)
-    return entropy(logits, temperature=temperature, dtype=dtype, **sampler)

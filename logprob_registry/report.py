@@ -1,85 +1,31 @@
-"""What the registry tells people: the verdict table of ``explain`` and the ``info`` report."""
+"""What the registry tells people: the ``info`` report, and the verdict table of ``explain``
+(:class:`~logprob_registry.registry.explanation.Explanation`, kept importable from here)."""
 
 from __future__ import annotations
 
 import platform
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from .registry.plugins import PluginFailure
+from .registry.explanation import DEGRADED, Explanation, table
 from .registry.ranking import Verdict
 
 if TYPE_CHECKING:
-    from .registry import Key, Registry
+    from .registry import Registry
+
+__all__ = ["Candidate", "Explanation", "info", "table"]
 
 Candidate = Verdict  # the name of round 1
 
 
-@dataclass(frozen=True)
-class Explanation:
-    """The answer of :func:`logprob_registry.explain`; ``str()`` renders it as a table."""
-
-    key: "Key"
-    candidates: Sequence[Verdict]
-    chosen: Optional[str]
-    forced: Optional[str] = None  # "name (source)" when an explicit choice is in force
-    failures: Sequence[PluginFailure] = field(default_factory=tuple)
-
-    @property
-    def eligible(self) -> List[str]:
-        return [c.name for c in self.candidates if c.eligible]
-
-    def __getitem__(self, name: str) -> Verdict:
-        for c in self.candidates:
-            if c.name == name:
-                return c
-        raise KeyError(f"no backend named {name!r}; registered: {', '.join(c.name for c in self.candidates)}")
-
-    def __str__(self) -> str:
-        head = f"{self.key.describe()}: "
-        head += f"using {self.chosen}" if self.chosen else "no eligible backend"
-        if self.forced:
-            head += f" (forced: {self.forced})"
-        timed = any(c.measured is not None for c in self.candidates)
-        rows = [
-            (c.status, c.name, str(c.priority))
-            + ((_ms(c.measured),) if timed else ())
-            + (c.origin, c.why)
-            for c in self.candidates
-        ]
-        header = ("", "backend", "priority") + (("measured",) if timed else ()) + ("from", "why not")
-        lines = [head, table(header, rows)]
-        if timed:
-            lines.append("measured: seconds per call in the tuning ranking (logprob-registry tune); "
-                         "it orders the backends it measured, priority the rest")
-        for f in self.failures:
-            lines.append(f"plugin {f.plugin} ({f.distribution}) not loaded: {f.error}")
-        return "\n".join(lines)
-
-
-def _ms(seconds: Optional[float]) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.3g} us"
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain aligned text table."""
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    fmt = "  ".join("{:<%d}" % w for w in widths)
-    out = [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths)).rstrip()]
-    out += [fmt.format(*map(str, r)).rstrip() for r in rows]
-    return "\n".join(out)
-
-
 def info(registry: "Registry", dtype: torch.dtype = torch.float32, requires_grad: bool = False) -> str:
-    """The ``info`` report: versions, devices, plugins, configuration, and every op's verdicts for
-    the main device and the CPU."""
+    """The ``info`` report: versions, devices, plugins, configuration, degradations, and every op's
+    verdicts for the main device and the CPU."""
     from . import config
+    from .call import key_for
     from .opspec import OPS
-    from .registry import ENV_VAR, Key
+    from .registry import ENV_VAR
 
     env = registry.environment()
 
@@ -117,15 +63,20 @@ def info(registry: "Registry", dtype: torch.dtype = torch.float32, requires_grad
     for problem in config.problems():
         lines.append(f"  INVALID: {problem}; every call raises until it is fixed or unset")
     lines += ["", registry.tuning_status()]
+    degraded = registry.degradations()
+    lines += ["", "degradations: backends running below their best in this process"
+              if degraded else "degradations: none (no backend reports running below its best)"]
+    lines += [f"  {d.describe()}" for d in degraded]
     forced, source = registry.forced()
     if forced:
         lines += ["", f"explicit choice in force: {forced} ({source})"]
     devices = [env.main_device] + (["cpu"] if env.main_device != "cpu" else [])
     for device in devices:
         for op in OPS:
-            explanation = registry.explain(Key(op, device, dtype, requires_grad))
-            # plugin failures are listed once above, not under every table
-            text = "\n".join(line for line in str(explanation).splitlines() if not line.startswith("plugin "))
+            explanation = registry.explain(key_for(op, device=device, dtype=dtype, requires_grad=requires_grad))
+            # plugin failures and degradations are listed once above, not under every table
+            text = "\n".join(line for line in str(explanation).splitlines()
+                             if not line.startswith(("plugin ", DEGRADED)))
             lines += ["", text]
     lines += ["", f"Force a backend with {ENV_VAR}=NAME, lr.use_backend(NAME) or backend=NAME."]
     return "\n".join(lines)

@@ -147,7 +147,7 @@ def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: Optional[i
         bad &= flat != ignore_index
     first = int(bad.nonzero()[0, 0])
     value = int(flat[first])
-    position = tuple(int(i) for i in _unravel(first, labels.shape))
+    position = tuple(int(i) for i in unravel(first, labels.shape))
     allowed = f"0..{vocab - 1}" if vocab else "none (the vocabulary is empty)"
     hint = f" or ignore_index={ignore_index}" if ignore_index is not None else "; pass ignore_index= for padding"
     raise ValueError(
@@ -156,7 +156,7 @@ def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: Optional[i
     )
 
 
-def _unravel(index: int, shape: torch.Size) -> tuple:
+def unravel(index: int, shape: torch.Size) -> tuple:
     out = []
     for size in reversed(shape):
         out.append(index % size)
@@ -201,84 +201,6 @@ def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-# ------------------------------------------------------------------ the sampler's processing
-def check_softcap(softcap: object) -> Optional[float]:
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a positive number or None, got {type(softcap).__name__}")
-    value = float(softcap)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"softcap must be finite and > 0 (or None for no softcap), got {value}")
-    return value
-
-
-def check_top_k(top_k: object, vocab: int) -> Optional[int]:
-    """None when it keeps everything: None, 0 and -1 (vLLM's "disabled") or at least V."""
-    if top_k is None:
-        return None
-    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-        raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}; one value for the "
-                        "whole call (split a batch with per-row values by their value)")
-    value = int(top_k)
-    if value < -1:
-        raise ValueError(f"top_k must be >= 1, or 0 or -1 (disabled, as in vLLM), got {value}")
-    return None if value <= 0 or value >= vocab else value
-
-
-def check_top_p(top_p: object) -> Optional[float]:
-    """None when it keeps everything (None or 1)."""
-    if top_p is None:
-        return None
-    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
-        raise TypeError(f"top_p must be a number in (0, 1] or None, got {type(top_p).__name__}")
-    value = float(top_p)
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got {value}")
-    return None if value == 1.0 else value
-
-
-def check_min_p(min_p: object) -> Optional[float]:
-    """None when it keeps everything (None or 0)."""
-    if min_p is None:
-        return None
-    if isinstance(min_p, bool) or not isinstance(min_p, numbers.Real):
-        raise TypeError(f"min_p must be a number in [0, 1] or None, got {type(min_p).__name__}")
-    value = float(min_p)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1] (0 keeps every token), got {value}")
-    return None if value == 0.0 else value
-
-
-def check_keep(keep: object, logits_shape: torch.Size, device: torch.device) -> Optional[torch.Tensor]:
-    """``keep``: None, a bool mask of the logits' shape, or int ids ``(..., K)`` in ``[0, V)`` or -1
-    (no token: padding)."""
-    if keep is None:
-        return None
-    if not isinstance(keep, torch.Tensor):
-        raise TypeError(f"keep must be a torch.Tensor (bool mask or int ids) or None, got {type(keep).__name__}")
-    check_same_device(keep, device, "keep", "logits")
-    lead, vocab = tuple(logits_shape[:-1]), logits_shape[-1]
-    if keep.dtype == torch.bool:
-        if tuple(keep.shape) != tuple(logits_shape):
-            raise ValueError(f"keep is a bool mask of shape {tuple(keep.shape)}, but the logits have shape "
-                             f"{tuple(logits_shape)}: a mask must have the logits' shape")
-        return keep
-    if keep.dtype not in LABEL_DTYPES:
-        raise TypeError(f"keep must be a bool mask or int64/int32 ids, got {keep.dtype}")
-    if keep.dim() != len(lead) + 1 or tuple(keep.shape[:-1]) != lead:
-        raise ValueError(f"keep holds ids of shape {tuple(keep.shape)}, but the logits have shape "
-                         f"{tuple(logits_shape)}: ids must have shape {lead + ('K',)}")
-    if keep.numel() and values_visible(keep):
-        bad = (keep < -1) | (keep >= vocab)
-        if bool(bad.any()):
-            first = int(bad.reshape(-1).nonzero()[0, 0])
-            raise ValueError(f"keep id {int(keep.reshape(-1)[first])} at position "
-                             f"{tuple(_unravel(first, keep.shape))} is out of range for a vocabulary of "
-                             f"{vocab} (ids are 0..{vocab - 1}, or -1 for none)")
-    return keep
-
-
 def check_k(k: object, vocab: int) -> int:
     if isinstance(k, bool) or not isinstance(k, numbers.Integral):
         raise TypeError(f"k must be an int, got {type(k).__name__}")
@@ -296,18 +218,6 @@ def check_logits_dtype(dtype: object) -> Optional[torch.dtype]:
     return dtype
 
 
-def sampler_options(softcap, top_k, top_p, min_p, keep, logits_shape, device) -> dict:
-    """The validated sampler keywords; the ones that keep every token become None (so a call that
-    truncates nothing needs no backend that truncates)."""
-    if softcap is None and top_k is None and top_p is None and min_p is None and keep is None:
-        return dict(softcap=None, top_k=None, top_p=None, min_p=None, keep=None)
-    return dict(
-        softcap=check_softcap(softcap),
-        top_k=check_top_k(top_k, logits_shape[-1]),
-        top_p=check_top_p(top_p),
-        min_p=check_min_p(min_p),
-        keep=check_keep(keep, logits_shape, device),
-    )
 def check_vocab_start(vocab_start: object) -> Optional[int]:
     """``vocab_start``: None (then ``rank * V_local``) or the global id of the shard's first column."""
     if vocab_start is None:

@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     """When the session runs the conformance suite, pin glibc's mmap threshold before the first
     test, so that the suite's peak-memory readings count exactly what each call allocates."""
     if any(_is_conformance(item) for item in items):
-        from logprob_registry.testing.memory import pin_mmap_threshold
+        from logprob_registry.benchmark.memory import pin_mmap_threshold
 
         pin_mmap_threshold()
 

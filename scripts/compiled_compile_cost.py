@@ -12,7 +12,9 @@ first call and the median of the next three (forward + backward of logprobs by d
   scripts/compiled_compile_cost.py [--shape B,T,V] [--dtype float32] [--repeat 3]
                                    [--modes cold,warm,prebuilt] [--forward] [--kernel-cache PATH]
 
-Prints one line per run, then the median and range per mode. To measure another checkout of the
+Prints one line per run (with the number of kernels it compiled, counted from the backend's
+first-compile notices: 0 when prebuilt kernels served every call), then the median and range per
+mode. To measure another checkout of the
 project (the code before prebuilt kernels, say), put it first on PYTHONPATH and pass
 ``--modes cold,warm``: the child prints which ``logprob_registry`` it imported.
 """
@@ -26,11 +28,16 @@ import sys
 import tempfile
 
 CHILD = r'''
-import json, sys, time
+import json, logging, sys, time
 start = time.perf_counter()
 import torch
 import logprob_registry as lr
 imported = time.perf_counter() - start
+class Count(logging.Handler):  # the backend's first-compile notices: one per kernel torch.compile builds
+    compiles = 0
+    def emit(self, record):
+        Count.compiles += "is compiling" in record.getMessage()
+logging.getLogger("logprob_registry").addHandler(Count())
 B, T, V = map(int, sys.argv[1].split(",")); dt = getattr(torch, sys.argv[2]); grad = sys.argv[3] == "1"
 torch.manual_seed(0)
 x = torch.randn(B, T, V, dtype=dt); y = torch.randint(0, V, (B, T))
@@ -42,13 +49,8 @@ def call():
         out.sum().backward()
     return time.perf_counter() - t
 first = call(); rest = sorted(call() for _ in range(3))
-try:
-    from logprob_registry.kernels.compiled import _aot
-    loaded = len(_aot.loaded)
-except ImportError:  # a checkout without prebuilt kernels
-    loaded = None
 print(json.dumps(dict(first=first, steady=rest[1], imported=imported, dynamo="torch._dynamo" in sys.modules,
-                      loaded=loaded, module=lr.__file__)))
+                      compiles=Count.compiles, module=lr.__file__)))
 '''
 
 
@@ -87,7 +89,7 @@ def measure(a, modes, work):
         folder = a.kernel_cache or os.path.join(work, "kernels")
         build = (f"import time, torch; from logprob_registry.warmup import warmup, summary; t = time.perf_counter(); "
                  f"done = warmup(['logprobs'], [{a.dtype!r}], backward=True, vocab=[{a.shape.split(',')[-1]}], "
-                 f"folder={folder!r}); print(summary(done, time.perf_counter() - t))")
+                 f"folder={folder!r}, backend='compiled'); print(summary(done, time.perf_counter() - t))")
         p = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True,
                            env=dict(base, TORCHINDUCTOR_CACHE_DIR=os.path.join(work, "inductor-build")))
         if p.returncode:
@@ -110,7 +112,8 @@ def measure(a, modes, work):
                 r = child(a, grad, env)
                 firsts.append(r["first"])
                 print(f"  {what:17s} {mode:8s} first {r['first']:6.2f}  steady {r['steady']:5.2f}  "
-                      f"(import {r['imported']:.2f}, dynamo imported: {r['dynamo']}, packages loaded: {r['loaded']}, "
+                      f"(import {r['imported']:.2f}, dynamo imported: {r['dynamo']}, "
+                      f"kernels compiled: {r['compiles']}, "
                       f"{os.path.dirname(os.path.dirname(r['module']))})", flush=True)
             print(f"{what:17s} {mode:8s} first call: median {statistics.median(firsts):.2f} s "
                   f"({min(firsts):.2f}-{max(firsts):.2f}) over {len(firsts)} processes", flush=True)

@@ -1,19 +1,16 @@
 #!/usr/bin/env bash
 # The prepared GPU session: prove and measure the backends on one NVIDIA GPU (written for an H200;
-# at most 12 minutes, the sum of the steps' time limits; QUICK=1 at most 6). Steps 1-3 are
-# logprob-registry commands; step 4 is the only
-# GPU-only extra, because it tunes the triton kernels' internals (kernels/triton/_kernels.TUNING),
-# which no bench option reaches:
+# at most 11 minutes, the sum of the steps' time limits; QUICK=1 at most 5). Every step is a
+# logprob-registry command (the script uses the package's public names and CLI only):
 #   1. info: nvidia-smi, python, torch, triton, `logprob-registry info`;
 #   2. check: the conformance suite on CUDA, `logprob-registry check --backend triton --device
 #      cuda` (values at vocabularies up to 262144 in every dtype, gradients, in place, strides);
 #   3. bench: `logprob-registry bench` of logprobs at 16x1024x32768 (preset verl) in fp32 and bf16,
 #      forward and forward+backward, every eligible backend against the textbook baseline (time,
 #      GB/s, peak memory, max |diff| and max |grad diff| against float64); triton's in-place
-#      backward; logprobs_from_hidden at 4x1024x32768, H=4096, bf16, forward+backward;
-#   4. sweep: the triton forward kernel's block size and warps, to pick better defaults.
-# Results land in $OUT (default ./gpu_results): info.txt, check.txt, bench.txt and bench-*.json,
-# sweep.txt. Exit status: non-zero when check or a bench command failed.
+#      backward; logprobs_from_hidden at 4x1024x32768, H=4096, bf16, forward+backward.
+# Results land in $OUT (default ./gpu_results): info.txt, check.txt, bench.txt and bench-*.json.
+# Exit status: non-zero when check or a bench command failed.
 #
 #   bash scripts/gpu_check.sh                 # OUT=dir: where; PYTHON=python3.12: which Python
 #   STEPS="check bench" bash scripts/gpu_check.sh   # only these steps (info always runs)
@@ -31,7 +28,7 @@ OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 QUICK=${QUICK:-}
-STEPS=" ${STEPS:-check bench sweep} "
+STEPS=" ${STEPS:-check bench} "
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 unset TRITON_INTERPRET LOGPROB_REGISTRY_BACKEND
 status=0
@@ -40,7 +37,7 @@ triton_verdict() {
   $PY -c "import logprob_registry as lr; print(lr.explain('logprobs', device='cuda')['triton'].reason or 'eligible')" 2>&1 | tail -1
 }
 
-rm -f "$OUT"/info.txt "$OUT"/check.txt "$OUT"/bench.txt "$OUT"/bench-*.json "$OUT"/sweep.txt
+rm -f "$OUT"/info.txt "$OUT"/check.txt "$OUT"/bench.txt "$OUT"/bench-*.json
 verdict=$(triton_verdict)
 note=
 case "$verdict" in
@@ -91,43 +88,4 @@ if [[ $STEPS == *" bench "* ]]; then
   run bench 90 $B --op logprobs_from_hidden "${HIDDEN[@]}" "${REPEAT[@]}" --dtype bfloat16 --backward \
     --json "$OUT/bench-hidden.json"
 fi
-[[ $STEPS == *" sweep "* ]] || exit $status
-
-# 4. The sweep: median time of the triton forward kernel for each block size and warp count.
-run sweep 60 $PY - "${QUICK:-0}" <<'EOF'
-import importlib, statistics, sys
-import torch
-K = importlib.import_module("logprob_registry.kernels.triton._kernels")
-
-quick = sys.argv[1] not in ("", "0")
-b, t, v = (2, 256, 32768) if quick else (16, 1024, 32768)
-blocks, warps_list = ((2048, 8192), (4, 8)) if quick else ((1024, 2048, 4096, 8192, 16384), (4, 8, 16))
-print(f"triton forward kernel, logprobs {b}x{t}x{v}; fraction of the H200's 4.8 TB/s; default: "
-      f"block {K._block(v, torch.bfloat16)} (bf16), {K._block(v, torch.float32)} (fp32)")
-for dtype in (torch.bfloat16, torch.float32):
-    logits = torch.randn(b, t, v, device="cuda", dtype=dtype)
-    labels = torch.randint(0, v, (b, t), device="cuda")
-    for block in blocks:
-        for warps in warps_list:
-            K.TUNING.update(block=block, num_warps=warps)
-            try:
-                for _ in range(2):
-                    K.logprobs(logits, labels, 1.0, None, False)
-                times = []
-                for _ in range(5):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    K.logprobs(logits, labels, 1.0, None, False)
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end) / 1e3)
-            except Exception as exc:
-                print(f"{str(dtype)[6:]:9s} block {block:6d} warps {warps:2d}: failed: {type(exc).__name__}: {exc}")
-                continue
-            s = statistics.median(times)
-            print(f"{str(dtype)[6:]:9s} block {block:6d} warps {warps:2d}: {s * 1e3:8.3f} ms  "
-                  f"{logits.numel() * logits.element_size() / s / 4.8e12:6.1%}")
-    K.TUNING.update(block=None, num_warps=None)
-    del logits, labels
-EOF
 exit $status

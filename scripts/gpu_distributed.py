@@ -36,7 +36,7 @@ import logprob_registry as lr
 from logprob_registry import reference as ref
 from logprob_registry.distributed.merge import merge
 from logprob_registry.distributed.tiles import TILE
-from logprob_registry.testing.numerics import tolerance
+from logprob_registry.numerics import tolerance
 
 V = 37 * TILE
 N = 256

@@ -7,7 +7,7 @@ the extra peak memory of ``top_p`` under ``chunked``.
           process CPU seconds, the latter hardly touched by other jobs on shared cores);
   memory  the extra peak of one top_p call (no gradients) over bf16 logits of --shape, as a fraction
           of the logits' size; run in a child process started with MALLOC_MMAP_THRESHOLD_=65536 so
-          that resident memory follows live memory (logprob_registry.testing.memory.peak_extra_bytes).
+          that resident memory follows live memory (logprob_registry.benchmark.memory.peak_extra_bytes).
 
   flock /tmp/bench.lock python scripts/sampler_measure.py time --shape 4,256,151936
   flock /tmp/bench.lock python scripts/sampler_measure.py memory --shape 4,1024,151936
@@ -82,8 +82,8 @@ def measure_memory(args):
     import torch
 
     import logprob_registry as lr
-    from logprob_registry.kernels import chunked
-    from logprob_registry.testing.memory import peak_extra_bytes
+    from logprob_registry import config
+    from logprob_registry.benchmark.memory import peak_extra_bytes
 
     torch.set_num_threads(args.threads)
     b, t, v = args.shape
@@ -97,7 +97,8 @@ def measure_memory(args):
         _, extra = peak_extra_bytes(lambda: lr.logprobs_from_logits(x, y, top_p=args.top_p, backend="chunked"),
                                     torch.device("cpu"))
     print(json.dumps(dict(what="memory", backend="chunked", shape=list(args.shape), dtype="bfloat16",
-                          top_p=args.top_p, workspace_bytes=chunked.workspace_bytes(),
+                          top_p=args.top_p,
+                          workspace_bytes=config.get("LOGPROB_REGISTRY_CHUNKED_WORKSPACE"),
                           logits_bytes=size, extra_peak_bytes=extra, extra_over_logits=round(extra / size, 5),
                           seconds=round(time.perf_counter() - start, 1))), flush=True)
 

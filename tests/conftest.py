@@ -2,12 +2,19 @@ import os
 
 import pytest
 
-from logprob_registry import environment
-
 # A developer's prebuilt kernels (`logprob-registry warmup`) would stand in for the compiled
 # backend's torch.compile path, whose compiles and failures tests count: none are loaded, here or
 # in the tests' subprocesses, except from the folders tests/test_warmup.py builds.
 os.environ["LOGPROB_REGISTRY_KERNEL_CACHE"] = "off"
+# No measured ranking either: a developer's tuning file (`logprob-registry tune`) would reorder the
+# backends that tests expect priority to order. The process-wide registry reads its ranking source
+# (the tuning file in force) at every selection and the tests' subprocesses inherit the variable,
+# so this holds in both, from before the package's import; registries a test makes take none
+# (Registry(ranking=None)). A test of tuning asks for one: Registry(ranking=Tuning(...)), or
+# monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", path) for the process-wide registry.
+os.environ["LOGPROB_REGISTRY_TUNING"] = "off"
+
+from logprob_registry import environment  # noqa: E402 - after the variables above
 
 
 @pytest.fixture

@@ -356,3 +356,22 @@ def test_a_child_reports_an_error_as_json(capsys):
     child.main([json.dumps(dict(what="time", setting=s.to_args(), method="no-such-backend", plugins=[]))])
     line = [text for text in capsys.readouterr().out.splitlines() if text.startswith(child.MARKER)][-1]
     assert "no backend named 'no-such-backend'" in json.loads(line[len(child.MARKER):])["error"]
+
+
+@pytest.mark.parametrize("op", st.bench_ops() + ("topk_logprobs",))
+def test_the_op_table_makes_example_inputs_and_their_ground_truth(op):
+    from logprob_registry.opspec import OPS
+
+    spec = OPS[op]
+    ex = spec.example((2, 3, 40), torch.bfloat16, "cpu", requires_grad=True, seed=7, hidden_size=8)
+    assert tuple(ex.inputs) == spec.inputs
+    again = spec.example((2, 3, 40), torch.bfloat16, "cpu", seed=7, hidden_size=8)
+    assert all(torch.equal(a, b) for a, b in zip(ex.args, again.args))  # the same numbers for a seed
+    assert {n for n, x in ex.inputs.items() if x.requires_grad} == set(spec.grad_inputs) & set(spec.inputs)
+    want = spec.ground_truth(*(x.detach().double() if x.is_floating_point() else x for x in ex.args), **ex.options)
+    assert len(want) == len(spec.output_names(ex.options)) and want[0].dtype == torch.float64
+    got = spec.public()(*ex.args, backend="naive", **ex.options)
+    got = got if isinstance(got, tuple) else (got,)
+    assert (got[0].double() - want[0]).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="no example inputs"):
+        OPS["shard_stats"].example((2, 40))

@@ -56,7 +56,7 @@ def both(logits, labels, **kw):
 
 def tolerance(logits: torch.Tensor, temperature: float = 1.0) -> float:
     """A few fp32 (fp64) roundings of the magnitudes involved, |logits| / T and log V: chunked's
-    own accuracy, tighter for large V than the contract's (``testing.numerics``, sqrt V)."""
+    own accuracy, tighter for large V than the contract's (``logprob_registry.numerics``, sqrt V)."""
     eps = torch.finfo(ref.result_dtype(logits.dtype)).eps
     finite = logits[torch.isfinite(logits)].double()
     scale = (finite.abs().max().item() if finite.numel() else 0.0) / temperature
@@ -189,7 +189,7 @@ def test_backward_allocates_only_the_gradient():
 def _peak(make) -> int:
     """Peak bytes the call ``make()`` returns adds (resident memory), the least of three readings
     (noise only adds)."""
-    from logprob_registry.testing.memory import MemoryMeasurementUnavailable, peak_extra_bytes
+    from logprob_registry.benchmark.memory import MemoryMeasurementUnavailable, peak_extra_bytes
     try:
         return min(peak_extra_bytes(make(), torch.device("cpu"))[1] for _ in range(3))
     except MemoryMeasurementUnavailable as exc:

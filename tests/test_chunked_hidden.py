@@ -16,8 +16,8 @@ import logprob_registry as lr
 from logprob_registry import reference as ref
 from logprob_registry.config import ConfigError
 from logprob_registry.kernels.chunked import _hidden as ch
+from logprob_registry.numerics import EPS32, assert_close
 from logprob_registry.testing.harness import Harness
-from logprob_registry.testing.numerics import EPS32, assert_close
 from logprob_registry.testing.sections.hidden import check_hidden
 
 CPU = torch.device("cpu")

@@ -20,13 +20,13 @@ import torch
 
 import logprob_registry as lr
 from logprob_registry import reference as ref
+from logprob_registry.benchmark.memory import MemoryMeasurementUnavailable, peak_extra_bytes
 from logprob_registry.environment import get_environment
 from logprob_registry.kernels import compiled
-from logprob_registry.kernels._common import MIN_GEMM_ROWS
 from logprob_registry.kernels.compiled import _hidden as ch
+from logprob_registry.kit import MIN_GEMM_ROWS
+from logprob_registry.numerics import hidden_tolerances
 from logprob_registry.testing.harness import Harness
-from logprob_registry.testing.memory import MemoryMeasurementUnavailable, peak_extra_bytes
-from logprob_registry.testing.numerics import hidden_tolerances
 from logprob_registry.testing.sections.hidden import check_hidden
 
 CPU = torch.device("cpu")

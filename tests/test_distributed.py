@@ -23,11 +23,12 @@ import torch.distributed as dist
 
 import logprob_registry as lr
 from logprob_registry import reference as ref
+from logprob_registry.call import validate
 from logprob_registry.distributed import header, launch, support, tiles
 from logprob_registry.distributed.group import traffic
 from logprob_registry.distributed.merge import merge
-from logprob_registry.opspec import OPS, SHARD_OPS, OpSpec, Option
-from logprob_registry.testing.numerics import tolerance
+from logprob_registry.numerics import tolerance
+from logprob_registry.opspec import OPS, SHARD_OPS
 
 ROOT = Path(__file__).resolve().parents[1]
 V = 16384
@@ -165,48 +166,58 @@ def test_label_checksums_see_one_change_and_a_swap_and_not_the_dtype():
 
 
 # ------------------------------------------------------------------------------ what is supported
-def test_an_option_the_distributed_path_lacks_is_refused_by_name(monkeypatch):
-    spec = OPS["logprobs"]
-    extended = OpSpec(spec.name, spec.function, spec.inputs, spec.options + (Option("softcap", None, "float"),),
-                      spec.outputs, spec.doc, spec.dtype_input, spec.grad_inputs)
-    monkeypatch.setitem(support.OPS, "logprobs", extended)
-    support.check_supported("logprobs", {"temperature": 0.5, "softcap": None})  # default: fine
+_GROUP = object()  # validation only stores the group: these calls never reach a collective
+
+
+def _call(op="logprobs", **kw):
+    """The validated process_group= call of ``op`` on small shards (logits 2x3x8, hidden 2x3x4)."""
+    if op == "logprobs_from_hidden":
+        given = dict(hidden=torch.zeros(2, 3, 4), weight=torch.zeros(8, 4), labels=torch.zeros(2, 3, dtype=torch.long))
+    else:
+        given = dict(logits=torch.zeros(2, 3, 8), labels=torch.zeros(2, 3, dtype=torch.long))
+    return validate(op, dict(given, process_group=_GROUP, **kw))
+
+
+def test_an_option_the_distributed_path_lacks_is_refused_by_name():
+    support.check(_call(temperature=0.5, softcap=None))  # default: fine
     with pytest.raises(NotImplementedError, match=r"logprobs_from_logits\(\.\.\., process_group=\.\.\.\) does not "
                                                   r"support softcap=30.0 yet; the distributed path supports "
                                                   r"ignore_index, inplace_backward, temperature"):
-        support.check_supported("logprobs", {"softcap": 30.0})
-    assert "softcap=30.0" in support.unsupported_reason("logprobs", {"softcap": 30.0})
+        support.check(_call(softcap=30.0))
+    assert "softcap=30.0" in support.unsupported_reason(_call(softcap=30.0))
+    assert "keep=<mask of shape (2, 3, 8)>" in support.unsupported_reason(_call(keep=torch.ones(2, 3, 8, dtype=torch.bool)))
 
 
 def test_double_backward_is_refused_with_a_remedy_that_works_with_a_group():
-    from logprob_registry.distributed import hidden, logits
+    from logprob_registry.distributed import sharded
 
-    for fn, remedy in ((logits._ShardedLogits.backward, "gather the logits to one rank and call without "
+    for fn, remedy in ((sharded._ShardedFunction.backward, "gather the logits to one rank and call without "
                         "process_group"),
-                       (hidden._ShardedHidden.backward, "gather the weight shards and call without process_group")):
+                       (sharded._ShardedHiddenFunction.backward, "gather the weight shards and call without process_group")):
         with torch.enable_grad(), pytest.raises(RuntimeError, match=f"does not support double backward.*{remedy}"):
             fn(None, torch.ones(1))
 
 
 def test_candidate_labels_are_refused_with_a_sentence():
-    support.check_not_candidates(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, 8))  # (...): fine
+    support.check(_call(labels=torch.zeros(2, 3, dtype=torch.long)))  # (...): fine
     with pytest.raises(NotImplementedError, match=r"candidate labels \(2, 3, 4\) \(\.\.\., K\) are not supported "
                                                   r"with process_group= yet; pass one label per position"):
-        support.check_not_candidates(torch.zeros(2, 3, 4, dtype=torch.long), torch.zeros(2, 3, 8))
+        support.check(_call(labels=torch.zeros(2, 3, 4, dtype=torch.long)))
 
 
 def test_values_that_mean_keep_everything_are_the_default_with_a_group_too():
     """top_k 0 or -1, top_p 1, min_p 0 and logits_dtype float32 run without a group as if not given:
     with one, they must not be refused either; a bad value gets the error it gets without a group."""
-    support.check_supported("logprobs", {"top_k": 0, "top_p": 1.0, "min_p": 0.0})
-    support.check_supported("logprobs", {"top_k": -1})
-    support.check_supported("logprobs_from_hidden", {"logits_dtype": torch.float32})
-    with pytest.raises(NotImplementedError, match="does not support top_k=5 yet"):
-        support.check_supported("logprobs", {"top_k": 5})
+    support.check(_call(top_k=0, top_p=1.0, min_p=0.0))
+    support.check(_call(top_k=-1))
+    support.check(_call("logprobs_from_hidden", logits_dtype=torch.float32))
+    # more than the shard's 8 columns still truncates the whole vocabulary
+    with pytest.raises(NotImplementedError, match="does not support top_k=100 yet"):
+        support.check(_call(top_k=100))
     with pytest.raises(NotImplementedError, match="logits_dtype=torch.bfloat16"):
-        support.check_supported("logprobs_from_hidden", {"logits_dtype": torch.bfloat16})
+        support.check(_call("logprobs_from_hidden", logits_dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="top_p"):
-        support.check_supported("logprobs", {"top_p": 2.0})
+        _call(top_p=2.0)
 
 
 def test_the_shard_ops_are_in_the_op_table_without_a_public_function():

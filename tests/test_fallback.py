@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import logprob_registry as lr
+from logprob_registry import kit
 from logprob_registry.registry import Key
 
 calls = []
@@ -154,3 +155,83 @@ def test_out_of_memory_is_not_a_backend_fault():
         assert reg.explain(Key("logprobs", "cpu", torch.float32, False))["test-oom"].status == "chosen"
     finally:
         reg.remove_plugin("test-oom-plugin")
+
+
+# --------------------------------------------------------------------------- degradations
+class Degrading:
+    """A backend whose report says its bf16 CPU path runs degraded, and one whose report raises."""
+
+    def __init__(self):
+        self.state = [kit.Degradation("the bf16 path runs in float32", "its bf16 kernel failed to build", "cpu",
+                                     torch.bfloat16)]
+
+    @lr.hookimpl
+    def register_backends(self, register):
+        register(lr.Backend(name="test-degrading", ops={"logprobs": lambda *a, **k: None}, priority=-5,
+                            degradations=lambda: list(self.state)))
+        register(lr.Backend(name="test-bad-report", ops={"logprobs": lambda *a, **k: None}, priority=-6,
+                            degradations=lambda: 1 / 0))
+
+
+def test_a_backend_reports_a_degradation_and_explain_and_info_show_it():
+    from logprob_registry.registry import Registry
+    from logprob_registry.report import info
+
+    reg = Registry(builtins=("logprob_registry.kernels.naive",), entry_points=False)
+    plugin = Degrading()
+    reg.add_plugin(plugin, name="degrading")
+    found = reg.degradations()
+    assert [(d.backend, d.what) for d in found] == [
+        ("test-degrading", "the bf16 path runs in float32"), ("test-bad-report", "its degradations() report")]
+    assert found[1].reason == "raised ZeroDivisionError: division by zero" and found[1].device is None
+    bf16 = reg.explain(Key("logprobs", "cpu", torch.bfloat16, False))
+    assert [d.backend for d in bf16.degradations] == ["test-degrading", "test-bad-report"]
+    assert ("degraded: test-degrading: the bf16 path runs in float32: its bf16 kernel failed to build"
+            in str(bf16).splitlines())
+    fp32 = reg.explain(Key("logprobs", "cpu", torch.float32, False))  # not its dtype: not shown
+    assert [d.backend for d in fp32.degradations] == ["test-bad-report"]
+    text = info(reg)
+    assert "degradations: backends running below their best in this process" in text
+    assert text.count("test-degrading: the bf16 path runs in float32") == 1  # once, not under every table
+    plugin.state = []
+    assert [d.backend for d in reg.degradations()] == ["test-bad-report"]  # the backend's state is the record
+    reg.remove_plugin("degrading")
+    assert reg.degradations() == [] and "degradations: none" in info(reg)
+
+
+def test_compiled_reports_a_backward_it_runs_eagerly(monkeypatch):
+    """compiled's eager backward, after its kernel failed to compile late, is a degradation that
+    explain and info show, until compiled.reset()."""
+    from logprob_registry.kernels import compiled
+    from logprob_registry.kernels.compiled import _kernels, _ops
+
+    if lr.explain("logprobs", device="cpu")["compiled"].reason is not None:
+        pytest.skip(lr.explain("logprobs", device="cpu")["compiled"].reason)
+
+    def kernel(name):  # eager forward kernels (no compile); every backward kernel fails to compile
+        if name.startswith("bwd"):
+            raise RuntimeError("no compiler today")
+        return _kernels.KERNELS[name]
+
+    compiled.reset()
+    monkeypatch.setattr(_kernels, "_kernel", kernel)
+    monkeypatch.setattr(_kernels, "_noticed", set())
+    monkeypatch.setattr(_ops, "_warm_backward", lambda *a: None)  # as for a layout first met in backward
+    try:
+        logits, labels = inputs()
+        x = logits.detach().requires_grad_(True)
+        with pytest.warns(lr.BackendFallbackWarning, match="run the same math eagerly"):
+            lr.logprobs_from_logits(x, labels, backend="compiled").sum().backward()
+        ref = logits.double().requires_grad_(True)
+        torch.log_softmax(ref, -1).gather(-1, labels[..., None]).sum().backward()
+        torch.testing.assert_close(x.grad.double(), ref.grad, rtol=1e-5, atol=1e-6)
+        found = [d for d in lr.get_registry().degradations() if d.backend == "compiled"]
+        assert len(found) == 1 and found[0].device == "cpu" and found[0].dtype == torch.float32
+        assert "the backward of logprobs on cpu float32 logits runs eagerly" in found[0].what
+        assert "no compiler today" in found[0].reason
+        text = str(lr.explain("logprobs", device="cpu", requires_grad=True))
+        assert "degraded: compiled: the backward of logprobs on cpu float32 logits runs eagerly" in text
+        assert "degraded:" not in str(lr.explain("logprobs", device="cpu", dtype=torch.float64))
+    finally:
+        compiled.reset()
+    assert [d for d in lr.get_registry().degradations() if d.backend == "compiled"] == []

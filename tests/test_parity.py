@@ -235,3 +235,34 @@ def test_transformers_is_imported_only_by_the_parity_check():
 def test_an_unknown_backend_is_a_usage_error_before_any_model_is_built(capsys):
     assert main(["parity", "--tiny", "--backend", "nope"]) == 2
     assert "logprob-registry parity: no backend named 'nope' is registered" in capsys.readouterr().err
+
+
+def test_the_backend_named_is_the_one_that_ran_whatever_the_vocabulary():
+    """The report names the backend selected for the very call the replay makes (its key from
+    validate, the vocabulary's bucket included): at V <= 256 compiled and chunked declare
+    min_vocab=257, so naive runs there, and a key without the bucket named another backend."""
+    seen = []
+
+    def recording(name):
+        op = lr.get_registry().get(name).ops["logprobs"]
+
+        def run(*args, **kw):
+            seen.append(name)
+            return op(*args, **kw)
+
+        return run
+
+    logits, ids = torch.randn(5, 200), torch.randint(0, 200, (5,))
+    names = {b.name for b in lr.backends() if "logprobs" in b.ops}
+    registry = lr.get_registry()
+    originals = {n: registry.get(n).ops["logprobs"] for n in names}
+    try:
+        for n in names:
+            registry.get(n).ops["logprobs"] = recording(n)
+        parity._registry((logits, ids, {}), 0.7, None, {"top_k": 5})
+    finally:
+        for n, op in originals.items():
+            registry.get(n).ops["logprobs"] = op
+    named = parity._selected_backend((logits, ids, {}), 0.7, {"top_k": 5})
+    assert seen == [named]
+    assert named == lr.select("logprobs", shape=logits.shape).name

@@ -12,11 +12,11 @@ import torch
 
 import logprob_registry as lr
 from logprob_registry import reference as ref
+from logprob_registry.benchmark.memory import MemoryMeasurementUnavailable, peak_extra_bytes, pin_mmap_threshold
 from logprob_registry.kernels import chunked
 from logprob_registry.kernels.chunked import _hidden, _sampler
 from logprob_registry.registry import Key
 from logprob_registry.testing.harness import Harness
-from logprob_registry.testing.memory import MemoryMeasurementUnavailable, peak_extra_bytes, pin_mmap_threshold
 from logprob_registry.testing.sections.semantics import SemanticsSection
 
 NEG = float("-inf")

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import logprob_registry as lr
+from logprob_registry import kit
 from logprob_registry import reference as ref
 from logprob_registry.testing import BackendConformance
 
@@ -30,7 +31,7 @@ import logprob_registry_template as template
 
 def good(logits, labels, temperature, ignore_index):
     return ref.logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index,
-                        dtype=ref.result_dtype(logits.dtype))
+                        dtype=kit.result_dtype(logits.dtype))
 
 
 OPS = None  # a case that registers other ops than logprobs sets it
@@ -71,7 +72,7 @@ def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
     # computes in the logits' own dtype and only then casts the result up
     out = ref.logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=logits.dtype)
-    return out.to(ref.result_dtype(logits.dtype))
+    return out.to(kit.result_dtype(logits.dtype))
 ''', "", "test_dtypes", {"test_dtypes[logprobs-bfloat16]", "test_dtypes[logprobs-float16]"}),
     "bad-copies-strided": (
         '''
@@ -123,7 +124,7 @@ def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
 def hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy):
     # forms the logits in the inputs' own dtype (bf16 or fp16 rounding), then an fp32 softmax
     logits = torch.nn.functional.linear(hidden, weight, bias)
-    kw = dict(temperature=temperature, ignore_index=ignore_index, dtype=ref.result_dtype(hidden.dtype))
+    kw = dict(temperature=temperature, ignore_index=ignore_index, dtype=kit.result_dtype(hidden.dtype))
     return ref.logprobs_and_entropy(logits, labels, **kw) if return_entropy else ref.logprobs(logits, labels, **kw)
 
 
@@ -133,7 +134,7 @@ OPS = {"logprobs_from_hidden": hidden}
     "bad-hidden-entropy-gradient": (
         '''
 def hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy):
-    dtype = ref.result_dtype(hidden.dtype)
+    dtype = kit.result_dtype(hidden.dtype)
     logits = ref.hidden_logits(hidden, weight, bias, dtype)
     logprobs = ref.logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=dtype)
     if not return_entropy:
@@ -196,7 +197,7 @@ class LogProbs(torch.autograd.Function):
     def forward(ctx, logits, labels, temperature, ignore_index):
         keep = torch.ones_like(labels, dtype=torch.bool) if ignore_index is None else labels != ignore_index
         index = labels.masked_fill(~keep, 0).long().reshape(-1)
-        dtype = ref.result_dtype(logits.dtype)
+        dtype = kit.result_dtype(logits.dtype)
         lse = torch.empty(index.shape, dtype=dtype, device=logits.device)
         picked = torch.empty(index.shape, dtype=dtype, device=logits.device)
         for start, x in _blocks(logits):

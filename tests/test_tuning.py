@@ -3,6 +3,7 @@ validity, how selection and explain follow it), `logprob-registry tune`, and bat
 the automatic choice."""
 
 import json
+import os
 import warnings
 
 import pytest
@@ -34,7 +35,7 @@ ENV = Environment.fake(torch="2.6.0")
 @pytest.fixture
 def registry(tmp_path, monkeypatch):
     monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", str(tmp_path / "tuning.json"))
-    reg = Registry(builtins=(), entry_points=False, environment=ENV)
+    reg = Registry(builtins=(), entry_points=False, environment=ENV, ranking=cache.Tuning())
     reg.add_plugin(Three(), name="three")
     return reg
 
@@ -218,3 +219,25 @@ def test_the_automatic_choice_is_batch_invariant(tmp_path, monkeypatch, tuned):
     finally:
         monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", "off")
         lr.get_registry().reset()
+
+
+def test_the_ranking_source_is_the_registrys_parameter(tmp_path, monkeypatch):
+    """A registry made without one follows priority whatever file is in force; one given a Tuning
+    of a path reads that file even with LOGPROB_REGISTRY_TUNING=off; the process-wide registry reads
+    the file in force, which the test suite turns off (tests/conftest.py), in its subprocesses too."""
+    assert os.environ["LOGPROB_REGISTRY_TUNING"] == "off"  # inherited by every subprocess a test starts
+    path = tmp_path / "tuning.json"
+    key = cache.key_string("logprobs", "cpu", torch.float32, False, 65536)
+    _write(path, {key: dict(times={"slow": 0.001})})
+    wide = Key("logprobs", "cpu", torch.float32, False, vocab=65536)
+    monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", str(path))
+    plain = Registry(builtins=(), entry_points=False, environment=ENV)
+    plain.add_plugin(Three(), name="three")
+    assert plain.ranking is None and plain.explain(wide).chosen == "fast-big"
+    assert plain.tuning_status().startswith("tuning: none")
+    monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", "off")
+    given = Registry(builtins=(), entry_points=False, environment=ENV, ranking=cache.Tuning(path))
+    given.add_plugin(Three(), name="three")
+    assert given.explain(wide).chosen == "slow"
+    assert isinstance(lr.get_registry().ranking, cache.Tuning)
+    assert lr.get_registry().tuning_status().startswith("tuning: off")

@@ -94,14 +94,15 @@ def expected(logits, labels, temperature=1.0):
 
 def test_warmup_builds_each_package_once(built, use):
     folder, done = built
-    assert [(b.spec.kernel, b.status) for b in done] == [("fwd_logprobs", "built"), ("bwd", "built"),
-                                                          ("bwd_inplace", "built")]
+    assert [(b.detail.kernel, b.status) for b in done] == [("fwd_logprobs", "built"), ("bwd", "built"),
+                                                            ("bwd_inplace", "built")]
+    assert {b.backend for b in done} == {"compiled"} and done[0].what == "fwd_logprobs float32 V>4096"
     for b in done:
         assert os.path.dirname(b.path) == folder and os.path.getsize(b.path) > 0 and b.seconds > 0
         with open(b.path[:-len(".pt2")] + ".json") as f:
             meta = json.load(f)
         assert meta["torch"] == torch.__version__ and meta["isa"] == torch.backends.cpu.get_cpu_capability()
-        assert meta["kernel"] == b.spec.kernel and meta["dtype"] == "float32" and meta["large"] is True
+        assert meta["kernel"] == b.detail.kernel and meta["dtype"] == "float32" and meta["large"] is True
     start = time.perf_counter()
     again = warmup(["logprobs"], ["float32"], backward=True, inplace=True, vocab=[V])  # from the variable
     assert [b.status for b in again] == ["present"] * 3 and [b.path for b in again] == [b.path for b in done]
@@ -112,15 +113,69 @@ def test_warmup_builds_each_package_once(built, use):
 def test_cli_warmup_says_what_is_there(use, capsys):
     assert main(["warmup", "--vocab", str(V), "--inplace"]) == 0
     out = capsys.readouterr().out
-    assert f"into {use}" in out and out.count("present ") == 3 and "0 built, 3 already there" in out
+    assert f"compiled into {use}" in out and out.count("present ") == 3 and "0 built, 3 already there" in out
+    assert main(["warmup", "--vocab", str(V), "--backend", "compiled"]) == 0
+    assert "0 built, 2 already there" in capsys.readouterr().out
     assert main(["warmup", "--op", "softmax"]) == 2
     assert main(["warmup", "--device", "cuda"]) == 2
     assert "for the CPU only" in capsys.readouterr().err
+    assert main(["warmup", "--backend", "naive"]) == 2
+    assert "'naive' builds nothing ahead (it declares no prepare); the backends that do: compiled" in \
+        capsys.readouterr().err
+    assert main(["warmup", "--backend", "nope"]) == 2
+    assert "no backend named 'nope'" in capsys.readouterr().err
 
 
-def test_plan_names_each_package_once():
-    specs = plan(["logprobs_and_entropy", "entropy"], ["bf16", "float32"], backward=True, inplace=True,
-                 vocab=[100, 32768, 50000])
+def test_cli_warmup_with_the_kernel_cache_off(monkeypatch, capsys):
+    monkeypatch.setenv(VARIABLE, "off")
+    assert main(["warmup"]) == 2
+    assert "LOGPROB_REGISTRY_KERNEL_CACHE is off" in capsys.readouterr().err
+
+
+def test_warmup_goes_through_the_registry_to_every_backend_that_prepares(tmp_path):
+    """A plugin's ``prepare`` is called like compiled's, with the request; the registry names the
+    backend on each record and turns its failure into a PrepareError."""
+    from logprob_registry.backend import Preparation, PrepareError
+    from logprob_registry.registry import Registry
+
+    asked = []
+
+    def prepare(request):
+        asked.append(request)
+        if request.force:
+            raise OSError("disk full")
+        request.say("building it ...")
+        status = "planned" if request.dry_run else "built"
+        return [request.record(f"{op} {d}", str(tmp_path / op), status, 0.5) for op in request.ops
+                for d in request.dtypes]
+
+    class Plugin:
+        @lr.hookimpl
+        def register_backends(self, register):
+            register(lr.Backend(name="ahead", ops={"logprobs": lambda *a, **k: None}, prepare=prepare))
+            register(lr.Backend(name="lazy", ops={"logprobs": lambda *a, **k: None}))
+
+    reg = Registry(builtins=(), entry_points=False)
+    reg.add_plugin(Plugin(), name="plugin")
+    assert [b.name for b in reg.preparers()] == ["ahead"]
+    lines = []
+    done = warmup(["logprobs", "entropy"], ["bf16"], vocab=[100], registry=reg, progress=lines.append)
+    assert [(d.backend, d.what, d.status) for d in done] == [("ahead", "logprobs torch.bfloat16", "built"),
+                                                             ("ahead", "entropy torch.bfloat16", "built")]
+    assert lines == ["building it ..."] and asked[0].vocab == (100,) and asked[0].dtypes == (torch.bfloat16,)
+    assert isinstance(asked[0], Preparation) and not asked[0].dry_run
+    assert [p.status for p in plan(registry=reg)] == ["planned"]
+    with pytest.raises(PrepareError, match="ahead: disk full"):
+        warmup(force=True, registry=reg)
+    with pytest.raises(ValueError, match="'lazy' builds nothing ahead"):
+        warmup(backend="lazy", registry=reg)
+
+
+def test_plan_names_each_package_once(tmp_path):
+    planned = plan(["logprobs_and_entropy", "entropy"], ["bf16", "float32"], backward=True, inplace=True,
+                   vocab=[100, 32768, 50000], folder=str(tmp_path), backend="compiled")
+    assert {p.status for p in planned} == {"planned"} and not os.listdir(tmp_path)
+    specs = [p.detail for p in planned]
     assert len(specs) == len(set(specs)) == 2 * 2 * 4  # fwd_entropy, bwd x2, bwd_inplace; 2 dtypes, 2 classes
     assert not [s for s in specs if s.kernel == "bwd_inplace" and s.want == (False, True)]  # entropy has none
     with pytest.raises(ValueError, match="vocabulary sizes"):

@@ -4,14 +4,15 @@ One child measures one method for one setting, so that a method's compiled cache
 state or crash never touch the next one. It prints one line, ``MARKER`` followed by JSON:
 
 - ``time``: wall and process CPU times of ``repeat`` calls after ``warmup`` calls (device
-  synchronised around each), the largest differences from float64 (of the outputs, and of the
-  gradient of each input that gets one), and on an accelerator the allocator's peak above the
-  inputs (reset before each measured call).
+  synchronised around each; :func:`.timing.time_workload`, the timing engine ``tune`` uses too),
+  the largest differences from float64 (of the outputs, and of the gradient of each input that
+  gets one), and on an accelerator the allocator's peak above the inputs (reset before each
+  measured call).
 - ``mem`` (CPU): the peak resident memory above the resident memory just before a call. The
   parent starts this child with ``MALLOC_MMAP_THRESHOLD_`` pinned, so that glibc returns freed
-  blocks and resident memory follows live memory; measured by the conformance suite's
-  :func:`logprob_registry.testing.memory.peak_extra_bytes` (peak reset through
-  ``/proc/self/clear_refs`` before each call, read from ``VmHWM`` after it).
+  blocks and resident memory follows live memory; measured by :func:`.memory.peak_extra_bytes`, as
+  the conformance suite measures (peak reset through ``/proc/self/clear_refs`` before each call,
+  read from ``VmHWM`` after it).
 - ``probe``: free and total memory of an accelerator, and its name.
 
 An exception becomes ``{"error": "Type: message"}``.
@@ -22,7 +23,6 @@ from __future__ import annotations
 import functools
 import json
 import sys
-import time
 import traceback
 
 MARKER = "@@logprob-registry-bench@@ "
@@ -33,13 +33,6 @@ def _accelerator(device_type: str):
     import torch
 
     return getattr(torch, device_type) if device_type in ("cuda", "npu", "xpu") else None
-
-
-def _sync(device_type: str):
-    import torch
-
-    mod = getattr(torch, device_type, None) if device_type != "cpu" else None
-    return mod.synchronize if mod is not None and hasattr(mod, "synchronize") else (lambda: None)
 
 
 def _load_plugins(specs) -> None:
@@ -61,23 +54,11 @@ def _workload(spec: dict):
 
 
 def measure_time(spec: dict) -> dict:
+    from .timing import time_workload
     from .workload import max_differences
 
     s, w = _workload(spec)
-    sync = _sync(s.device_type)
-    for _ in range(s.warmup):
-        w.run(w.prepare())
-        w.release()
-    times, cpu_times = [], []
-    for _ in range(s.repeat):
-        x = w.prepare()
-        sync()
-        start, cpu_start = time.perf_counter(), time.process_time()
-        w.run(x)
-        sync()
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu_start)
-        w.release()
+    times, cpu_times = time_workload(w)
     out = dict(times_s=times, cpu_times_s=cpu_times)
     acc = _accelerator(s.device_type)
     if acc is not None:
@@ -102,9 +83,9 @@ def measure_memory(spec: dict) -> dict:
 
 def _peak_bytes(w, device) -> int:
     """The largest extra peak of ``MEMORY_REPEAT`` calls, measured as the conformance suite does
-    (:func:`logprob_registry.testing.memory.peak_extra_bytes`: the allocator's peak on an
-    accelerator, peak resident memory on the CPU); each call's inputs are prepared beforehand."""
-    from logprob_registry.testing.memory import peak_extra_bytes
+    (:func:`.memory.peak_extra_bytes`: the allocator's peak on an accelerator, peak resident memory
+    on the CPU); each call's inputs are prepared beforehand."""
+    from .memory import peak_extra_bytes
 
     peak = 0
     for _ in range(MEMORY_REPEAT):

@@ -4,7 +4,8 @@ there.
 
 Each of the N spawned processes (one torch thread each) holds a ``(B, T, V / N)`` shard of random
 logits and the same labels. Two methods run, each a warm-up and then ``repeat`` timed calls (with
-``--backward``: forward and backward of the sum of the result), every call between two barriers:
+``--backward``: forward and backward of the sum of the result; :func:`.timing.time_calls`), every
+call after a barrier:
 
 - ``process_group``: the public op with ``process_group=`` (tile statistics gathered and merged);
 - ``gather to rank 0``: ``torch.distributed.gather`` of the shards to rank 0, the op there on the
@@ -12,7 +13,7 @@ logits and the same labels. Two methods run, each a warm-up and then ``repeat`` 
 
 Reported per method: the median over calls of the slowest rank's time; the largest peak memory a
 call adds on a rank (on the CPU through the peak resident set size; see
-:mod:`logprob_registry.testing.memory`); the bytes the ranks receive together, per row of logits (measured
+:mod:`logprob_registry.benchmark.memory`); the bytes the ranks receive together, per row of logits (measured
 for ``process_group`` by :func:`logprob_registry.distributed.group.traffic`, counted from the
 tensor sizes for the gather); and the largest difference between the
 two methods' results, that is from the unsharded call.
@@ -23,7 +24,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
@@ -56,16 +56,12 @@ class Plan:
                 f"(CPU, 1 thread each), {what}")
 
 
-def _public(op: str):
-    import logprob_registry as lr
-
-    return {"logprobs": lr.logprobs_from_logits, "entropy": lr.entropy_from_logits,
-            "logprobs_and_entropy": lr.logprobs_and_entropy}[op]
-
-
 def _call(plan: Plan, logits, labels, **kw):
-    fn = _public(plan.op)
-    out = fn(logits, **kw) if plan.op == "entropy" else fn(logits, labels, **kw)
+    """The op's public function (the op table's) on the logits (and the labels, if it takes them)."""
+    from ..opspec import OPS
+
+    spec = OPS[plan.op]
+    out = spec.public()(*(logits, labels)[: len(spec.inputs)], **kw)
     return out if isinstance(out, tuple) else (out,)
 
 
@@ -74,7 +70,8 @@ def rank_bench(rank: int, world: int, plan: Plan) -> dict:
     import torch.distributed as dist
 
     from ..distributed import group as dgroup
-    from ..testing.memory import MemoryMeasurementUnavailable, peak_extra_bytes, pin_mmap_threshold
+    from .memory import MemoryMeasurementUnavailable, peak_extra_bytes, pin_mmap_threshold
+    from .timing import time_calls
 
     pin_mmap_threshold()
     b, t, v = plan.shape
@@ -122,14 +119,8 @@ def rank_bench(rank: int, world: int, plan: Plan) -> dict:
     report: Dict[str, dict] = {}
     results = {}
     for name, fn in (("process_group", sharded), ("gather to rank 0", gathered)):
-        for _ in range(plan.warmup):
-            fn()
-        times = []
-        for _ in range(plan.repeat):
-            dist.barrier(group)
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
+        times, _ = time_calls(lambda _, fn=fn: fn(), lambda: dist.barrier(group), repeat=plan.repeat,
+                              warmup=plan.warmup)
         dist.barrier(group)
         dgroup.traffic(reset=True)
         try:

@@ -1,8 +1,8 @@
 """What one benchmark table measures (op, device, dtype, shapes, mode), the presets, and how the
 op's inputs are shaped.
 
-The ops and their inputs come from the op table (:data:`logprob_registry.opspec.OPS`): the bench
-knows how to make each *input name* (``logits``, ``labels``, ``hidden``, ``weight``), not each op,
+The ops and their inputs come from the op table (:data:`logprob_registry.opspec.OPS`): each input is
+made by name (:data:`logprob_registry.opspec.INPUTS`, through the op's example maker), not by op,
 so an op whose inputs are all in :data:`INPUTS` is benchmarked with no change here.
 """
 
@@ -15,28 +15,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from ..dtypes import DTYPE_NAMES, dtype_name
-from ..opspec import OPS, OpSpec
-
-
-class InputKind(NamedTuple):
-    """How the bench makes one input of an op."""
-
-    dims: str      # its shape in the letters B, T (tokens), V (vocabulary), H (hidden size)
-    integer: bool  # int64 labels, not the bench's float dtype
-    doc: str
-
-    @property
-    def per_token(self) -> bool:
-        """Leading dims (B, T): cut to ``[:, :-1]`` (labels: ``[:, 1:]``) with ``--slice``."""
-        return self.dims.startswith("BT")
-
-
-INPUTS: Dict[str, InputKind] = {
-    "logits": InputKind("BTV", False, "scaled by 3, so that the softmax is peaked as a model's is"),
-    "labels": InputKind("BT", True, "uniform over the vocabulary"),
-    "hidden": InputKind("BTH", False, "standard normal"),
-    "weight": InputKind("VH", False, "normal, scaled by 3/sqrt(H) so that the logits are like --op logprobs' inputs"),
-}
+from ..opspec import INPUTS, OPS, OpSpec
 
 DEFAULT_HIDDEN_SIZE = 2048
 
@@ -45,8 +24,8 @@ def bench_ops() -> Tuple[str, ...]:
     """The public ops of the op table that give log-probabilities and/or entropies and whose every
     input the bench can make (topk_logprobs, which returns ids, has no baseline to compare with)."""
     return tuple(name for name, spec in OPS.items()
-                 if spec.function is not None and set(spec.outputs) <= {"logprobs", "entropy"}
-                 and set(spec.inputs) <= set(INPUTS))
+                 if spec.function is not None and spec.examples is not None
+                 and set(spec.outputs) <= {"logprobs", "entropy"} and set(spec.inputs) <= set(INPUTS))
 
 
 def uses_hidden_size(op: str) -> bool:
@@ -136,8 +115,7 @@ class Setting:
         """The shape of input ``name`` as allocated (``seen=False``) or as the methods see it."""
         b, t, v = self.shape
         kind = INPUTS[name]
-        size = dict(B=b, T=t, V=v, H=self.hidden_size or 0)
-        shape = tuple(size[d] for d in kind.dims)
+        shape = kind.shape((b, t), v, self.hidden_size or 0)
         if seen and self.sliced and kind.per_token:
             shape = (shape[0], shape[1] - 1) + shape[2:]
         return shape

@@ -1,9 +1,10 @@
 """The measured work, as a child process sees it: the inputs, one call of a method (a backend or the
 textbook baseline), and the largest difference from a float64 reference.
 
-Everything here is driven by the op table: the inputs are made by name (:data:`.settings.INPUTS`),
-a backend is called through the op's public function, and the baseline and the reference reduce
-the op's logits (given, or ``hidden @ weight.T``) to each of the op's outputs.
+Everything here is driven by the op table: the inputs are the op's example inputs
+(:meth:`~logprob_registry.opspec.OpSpec.example`), a backend is called through the op's public
+function, the reference is the op's ground truth (:meth:`~logprob_registry.opspec.OpSpec.ground_truth`),
+and the baseline reduces the op's logits (given, or ``hidden @ weight.T``) to each of its outputs.
 """
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from .. import reference as ref
-from ..opspec import OpSpec
-from .settings import INPUTS, REFERENCE_CHUNK_ELEMENTS, Setting
+from ..opspec import INPUTS, OpSpec
+from .settings import REFERENCE_CHUNK_ELEMENTS, Setting
 
 BASELINE = "baseline"
-LOGITS_SCALE = 3.0  # of standard normal logits: a peaked softmax, as a trained model's
 
 
 def baseline_description(spec: OpSpec, short: bool = False) -> str:
@@ -50,13 +49,9 @@ def baseline(inputs: Mapping[str, torch.Tensor], outputs: Tuple[str, ...]) -> Tu
     return tuple(TEXTBOOK[o](logp, inputs.get("labels")) for o in outputs)
 
 
-def reference(inputs: Mapping[str, torch.Tensor], outputs: Tuple[str, ...]) -> Tuple[torch.Tensor, ...]:
-    """The outputs in float64, by :mod:`logprob_registry.reference` (inputs already float64)."""
-    x, labels = op_logits(inputs), inputs.get("labels")
-    if outputs == ("logprobs", "entropy"):
-        return tuple(ref.logprobs_and_entropy(x, labels))
-    one = {"logprobs": lambda: ref.logprobs(x, labels), "entropy": lambda: ref.entropy(x)}
-    return tuple(one[o]() for o in outputs)
+def reference(s: Setting, inputs: Mapping[str, torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    """The outputs of ``s``'s call in float64: the op table's ground truth (inputs already float64)."""
+    return s.spec.ground_truth(*(inputs[n] for n in s.spec.inputs), **s.options)
 
 
 def method(s: Setting, name: str) -> Callable[[Mapping[str, torch.Tensor]], Tuple[torch.Tensor, ...]]:
@@ -77,30 +72,17 @@ def method(s: Setting, name: str) -> Callable[[Mapping[str, torch.Tensor]], Tupl
 class Workload:
     """The inputs of one setting and how to run a method on them once.
 
-    The inputs are made on the CPU from a seeded generator, in the op's input order (so every
-    device sees the same numbers), then moved. In backward mode each call gets fresh gradients
-    (and, for in-place backward, fresh copies of the inputs made before the clock starts); the
-    loss is the sum of every output.
+    The inputs are the op's example inputs for the setting's shape, dtype, device and seed (made on
+    the CPU from one seeded generator, so every device sees the same numbers, then moved). In
+    backward mode each call gets fresh gradients (and, for in-place backward, fresh copies of the
+    inputs made before the clock starts); the loss is the sum of every output.
     """
 
     def __init__(self, s: Setting, name: str) -> None:
         self.s = s
         self.fn = method(s, name)
-        device = torch.device(s.device)
-        gen = torch.Generator(device="cpu").manual_seed(s.seed)
-        v = s.shape[2]
-        self.base: Dict[str, torch.Tensor] = {}
-        for input_name in s.spec.inputs:
-            shape = s.input_shape(input_name, seen=False)
-            if INPUTS[input_name].integer:
-                t = torch.randint(0, v, shape, generator=gen)
-            else:
-                t = torch.randn(shape, generator=gen, dtype=s.torch_dtype)
-                scale = LOGITS_SCALE / math.sqrt(shape[-1]) if input_name == "weight" else (
-                    LOGITS_SCALE if input_name == "logits" else 1.0)
-                if scale != 1.0:
-                    t.mul_(scale)
-            self.base[input_name] = t.to(device)
+        example = s.spec.example(s.shape, s.torch_dtype, s.device, seed=s.seed, hidden_size=s.hidden_size)
+        self.base: Dict[str, torch.Tensor] = dict(example.inputs)
         self.leaves: Dict[str, torch.Tensor] = {}
         if not s.inplace_backward:
             for n in s.grad_inputs:
@@ -187,7 +169,7 @@ def max_differences(
                 if not INPUTS[n].integer:
                     x = x.to(torch.float64).requires_grad_(n in grads)
                 chunk[n] = x
-            expected = reference(chunk, s.outputs)
+            expected = reference(s, chunk)
             for got, want in zip(outs, expected):
                 value_diff = _worse(value_diff, _max_abs(got[idx], want.detach(), ref_device))
             if grads:

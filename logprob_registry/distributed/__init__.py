@@ -8,6 +8,8 @@ the group: a few numbers per row and per 4096-column tile, never ``(N, V)``.
 
 How (docs/distributed.md has the whole story):
 
+- the public function validates the call once (:func:`logprob_registry.call.validate`) and hands
+  :mod:`.sharded` the validated call, or the error to raise on every rank;
 - the local work is backend ops of the op table (``shard_stats``, ``shard_grad``,
   ``hidden_shard_stats``, ``hidden_shard_grad``), selected through the registry like any op;
 - :mod:`.header`: one small all-gather first, so that bad input raises the same error on every
@@ -15,15 +17,15 @@ How (docs/distributed.md has the whole story):
 - :mod:`.core`: one all-gather of the tile statistics and a merge in one fixed order on every rank
   (:mod:`.merge`), so results are bitwise independent of the group size when every shard starts at
   a multiple of :data:`TILE` and the backend declares ``group_invariant``;
-- :mod:`.logits` and :mod:`.hidden`: the autograd Functions of the public ops;
-- :mod:`.support`: which options a ``process_group=`` call supports;
+- :mod:`.sharded`: the one autograd skeleton of the four public ops;
+- :mod:`.support`: what a ``process_group=`` call supports;
 - :mod:`.launch`: spawning a local gloo group (tests, the conformance suite, ``bench``).
 """
 
 from __future__ import annotations
 
 from .header import GroupMismatchError
-from .support import SUPPORTED, check_supported, unsupported_reason
+from .support import FEATURES, check, unsupported_reason
 from .tiles import TILE
 
-__all__ = ["SUPPORTED", "TILE", "GroupMismatchError", "check_supported", "unsupported_reason"]
+__all__ = ["FEATURES", "TILE", "GroupMismatchError", "check", "unsupported_reason"]

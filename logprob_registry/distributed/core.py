@@ -1,7 +1,7 @@
 """The steps every vocabulary-parallel call shares, written once: the header exchange, the
 statistics gather, and the merge into per-row results.
 
-A call (:mod:`.logits`, :mod:`.hidden`) validates its inputs and computes its shard's tile
+A call (:mod:`.sharded`) arrives validated and computes its shard's tile
 statistics through the registry *before* any collective, keeping any error in
 :class:`~.header.Local` instead of raising it; then:
 
@@ -20,7 +20,6 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import validation as v
 from ..registry import Key, get_registry
 from . import header
 from .group import Group
@@ -48,10 +47,9 @@ def per_row_grads(g_lp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor], l
                   labels: Optional[torch.Tensor], ignore_index) -> tuple:
     """The upstream gradients of logprobs and entropy as a backward's shard op takes them: shape
     ``lead``, dtype ``acc``, contiguous (an upstream gradient is often expanded), and zero where the
-    label is ``ignore_index`` (None where not given)."""
+    label is ``ignore_index`` (validated; None where not given)."""
     if g_lp is not None:
         g_lp = g_lp.reshape(lead).to(acc).contiguous()
-        ignore_index = v.check_ignore_index(ignore_index)
         if ignore_index is not None:
             g_lp = g_lp.masked_fill(labels == ignore_index, 0.0)
     if g_ent is not None:

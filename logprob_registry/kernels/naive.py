@@ -12,11 +12,9 @@ from __future__ import annotations
 import torch
 
 import logprob_registry as lr
+from logprob_registry import kit
 from logprob_registry import reference as ref
-from logprob_registry.distributed.tiles import label_columns, tiled
-from logprob_registry.dtypes import FLOAT_DTYPES, result_dtype
-
-from ._common import pad_rows
+from logprob_registry.kit import FLOAT_DTYPES, label_columns, pad_rows, result_dtype, tiled
 
 
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward, **sampler):
@@ -148,7 +146,7 @@ def register_backends(register):
         },
         devices={"cpu", "cuda", "npu", "xpu", "mps", "hpu"},
         dtypes=set(FLOAT_DTYPES),
-        priority=0,
+        priority=kit.Priority.LAST_RESORT,
         autograd=True,
         batch_invariant=True,
         copies_logits=True,

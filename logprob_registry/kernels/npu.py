@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 
 import logprob_registry as lr
+from logprob_registry import kit
 
 MAX_ROWS = 200_000  # torch_npu documents N in (0, 200000] for npu_cross_entropy_loss
 OP = "npu_cross_entropy_loss"
@@ -89,7 +90,7 @@ def register_backends(register):
         ops={"logprobs": logprobs},
         devices={"npu"},
         dtypes={torch.float16, torch.bfloat16, torch.float32},
-        priority=15,
+        priority=kit.Priority.VENDOR_OP,
         requires=("torch_npu",),
         autograd=True,
         available=available,

@@ -1,28 +1,37 @@
 """The registry in three parts: :mod:`.plugins` (loading, pluggy), :mod:`.ranking` (a pure
 function from backends, key and environment to verdicts) and :mod:`.dispatch` (explicit choice,
-the cached automatic choice, fallback). :class:`Registry` puts them together for one environment."""
+the cached automatic choice, fallback). :class:`Registry` puts them together for one environment
+and one source of measured rankings; :func:`get_registry` is the process-wide one."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-import torch
-
-from ..backend import Backend
+from ..backend import Backend, Degradation, Preparation, Prepared, PrepareError
 from ..environment import Environment, get_environment
 from .dispatch import ENV_VAR, Dispatcher, _forced, caller_fault
 from .errors import BackendFallbackWarning, NoEligibleBackendError
+from .explanation import Explanation
 from .key import VOCAB_BUCKETS, Key, vocab_bucket
 from .plugins import BUILTIN_PLUGINS, ENTRY_POINT_GROUP, PluginFailure, PluginSet
 from .ranking import Verdict, rank, why_not
 
 __all__ = [
-    "BUILTIN_PLUGINS", "ENTRY_POINT_GROUP", "ENV_VAR", "BackendFallbackWarning", "Key", "NoEligibleBackendError",
-    "PluginFailure", "Registry", "VOCAB_BUCKETS", "Verdict", "caller_fault", "get_registry", "rank", "use_backend",
-    "vocab_bucket", "why_not",
+    "BUILTIN_PLUGINS", "ENTRY_POINT_GROUP", "ENV_VAR", "BackendFallbackWarning", "Explanation", "Key",
+    "NoEligibleBackendError", "PluginFailure", "Registry", "VOCAB_BUCKETS", "Verdict", "caller_fault",
+    "default_ranking", "get_registry", "rank", "use_backend", "vocab_bucket", "why_not",
 ]
+
+
+def default_ranking() -> Any:
+    """The ranking source of the process-wide registry: the user's tuning file, written by
+    ``logprob-registry tune`` (``LOGPROB_REGISTRY_TUNING`` names another file, or ``off``)."""
+    from ..tuning.cache import Tuning
+
+    return Tuning()
 
 
 class Registry:
@@ -31,6 +40,13 @@ class Registry:
     ``environment`` is an :class:`Environment` (tests pass ``Environment.fake(...)``) or a function
     returning the one in force (the default: the detected environment, which
     ``environment.set_environment`` replaces process-wide).
+
+    ``ranking`` is where measured rankings come from, or None (the default) for none: priority
+    alone orders the backends. The process-wide registry (:func:`get_registry`) takes
+    :func:`default_ranking`, the user's tuning file. A ranking source has two methods:
+    ``entry(key, environment, versions)`` -> the measured ``tuning.cache.Entry`` for a key, or
+    None (``versions``: backend name -> "distribution version", to tell a stale measurement), and
+    ``status(environment, versions)`` -> one line for ``info``; ``tuning.cache.Tuning`` is one.
     """
 
     def __init__(
@@ -38,6 +54,7 @@ class Registry:
         builtins: Sequence[str] = BUILTIN_PLUGINS,
         entry_points: bool = True,
         environment: Union[Environment, Callable[[], Environment], None] = None,
+        ranking: Any = None,
     ) -> None:
         self.plugins_set = PluginSet(builtins, entry_points)
         if environment is None:
@@ -46,7 +63,7 @@ class Registry:
             provider = lambda: environment  # noqa: E731
         else:
             provider = environment
-        self._dispatcher = Dispatcher(self.plugins_set, provider)
+        self._dispatcher = Dispatcher(self.plugins_set, provider, ranking)
         self.default: Optional[Backend] = None
         self.call = self._dispatcher.call  # the hot path: no extra frame
         self.select = self._dispatcher.select
@@ -80,7 +97,7 @@ class Registry:
     def environment(self) -> Environment:
         return self._dispatcher.env()
 
-    def explain(self, key: Key):
+    def explain(self, key: Key) -> Explanation:
         return self._dispatcher.explain(key)
 
     def verdicts(self, key: Key) -> List[Verdict]:
@@ -89,9 +106,53 @@ class Registry:
     def broken(self) -> Dict[Key, Dict[str, str]]:
         return self._dispatcher.broken()
 
+    @property
+    def ranking(self) -> Any:
+        """The source of measured rankings this registry follows (None: priority alone)."""
+        return self._dispatcher.ranking
+
     def tuning_status(self) -> str:
         """Whether a tuning ranking is in use, for ``info``."""
-        return self._dispatcher.tuning.status(self.environment(), self.plugins_set.versions())
+        if self.ranking is None:
+            return "tuning: none (this registry was made without a ranking source); priority decides"
+        return self.ranking.status(self.environment(), self.plugins_set.versions())
+
+    # what backends report
+    def degradations(self) -> List[Degradation]:
+        """How the backends run below their best in this process right now, as each reports it
+        through its ``Backend(degradations=...)`` (``compiled`` running a backward eagerly after its
+        kernel failed to compile, say); ``explain`` shows those that concern its key, ``info`` all.
+        A backend's own state is the record: what it stops doing (its ``reset()``) leaves the list."""
+        return self.plugins_set.degradations()
+
+    def preparers(self) -> List[Backend]:
+        """The backends that can build their kernels ahead of time (they declare ``prepare``)."""
+        return [b for b in self.backends() if b.prepare is not None]
+
+    def prepare(self, request: Preparation, backends: Optional[Sequence[str]] = None) -> List[Prepared]:
+        """Build ahead of time what ``request`` asks (``logprob-registry warmup``), with every backend
+        that declares ``prepare``, or with those named in ``backends``; returns their records,
+        each naming its backend. A request a backend cannot take raises ValueError naming it (with
+        ``request.dry_run`` nothing is built, so a dry run first checks every backend); a failure
+        to build raises :class:`PrepareError`; NoEligibleBackendError for an unknown name."""
+        chosen = self.preparers() if backends is None else [self.get(name) for name in backends]
+        lacking = [b.name for b in chosen if b.prepare is None]
+        if lacking:
+            able = ", ".join(b.name for b in self.preparers()) or "none"
+            raise ValueError(f"backend {', '.join(map(repr, lacking))} builds nothing ahead (it declares no "
+                             f"prepare); the backends that do: {able}")
+        done: List[Prepared] = []
+        for b in chosen:
+            try:
+                records = list(b.prepare(request))
+            except ValueError as exc:
+                raise ValueError(f"{b.name}: {exc}") from exc
+            except PrepareError:
+                raise
+            except Exception as exc:
+                raise PrepareError(f"{b.name}: {exc}") from exc
+            done += [dataclasses.replace(r, backend=b.name) for r in records]
+        return done
 
     def reset(self) -> None:
         """Forget cached selections and broken marks (see :mod:`.dispatch` for when a backend is
@@ -100,10 +161,9 @@ class Registry:
 
     clear_cache = reset
 
-    def resolve_default(self) -> Optional[Backend]:
-        """The automatic choice for logprobs on the main device (float32, no gradients), or None.
-        Cheap and never raising: ``import logprob_registry`` calls it."""
-        key = Key("logprobs", self.environment().main_device, torch.float32, False)
+    def resolve_default(self, key: Key) -> Optional[Backend]:
+        """The automatic choice for ``key`` (``import logprob_registry`` passes logprobs on the main
+        device, float32, no gradients), kept as ``default``, or None. Cheap and never raising."""
         try:
             self.default = self._dispatcher._automatic(key)
         except Exception:  # nothing eligible, or a plugin's check failing: explain() says why
@@ -121,7 +181,7 @@ def get_registry() -> Registry:
     if _registry is None:
         with _registry_lock:
             if _registry is None:
-                _registry = Registry()
+                _registry = Registry(ranking=default_ranking())
     _registry.load()
     return _registry
 

@@ -33,9 +33,9 @@ from .. import config
 from ..backend import Backend
 from ..environment import Environment
 from ..opspec import OPS
-from ..tuning.cache import Tuning
 from ..validation import inside_functorch_transform
 from .errors import BackendFallbackWarning, NoEligibleBackendError
+from .explanation import Explanation
 from .key import Key
 from .plugins import PluginSet, error_line
 from .ranking import Verdict, automatic, rank, why_not
@@ -78,14 +78,14 @@ def _stacklevel() -> int:
 class Dispatcher:
     """The selections of one registry: cached per key and environment, broken marks, calls."""
 
-    def __init__(self, plugins: PluginSet, environment: Callable[[], Environment]) -> None:
+    def __init__(self, plugins: PluginSet, environment: Callable[[], Environment], ranking: Any = None) -> None:
         self._plugins = plugins
         self._environment = environment
+        self.ranking = ranking  # the measured ranking source (see Registry), or None: priority decides
         self._lock = threading.RLock()
         self._cache: Dict[Key, Backend] = {}
         self._explicit_ok: Dict[Tuple[str, Key], Backend] = {}
         self._broken: Dict[Key, Dict[str, str]] = {}
-        self.tuning = Tuning()
         self._state: Tuple[Any, int] = (None, -1)  # (environment, plugins.generation) the caches are for
 
     # --------------------------------------------------------------- state
@@ -134,7 +134,8 @@ class Dispatcher:
 
     def verdicts(self, key: Key) -> List[Verdict]:
         env = self.env()
-        measured = self.tuning.entry(key, env, self._plugins.versions()) if key.vocab else None
+        ranking = self.ranking
+        measured = ranking.entry(key, env, self._plugins.versions()) if ranking is not None and key.vocab else None
         return rank(self._plugins.backends(), key, env, self._broken.get(key), config.get(UNTESTED.name), measured)
 
     def select(self, key: Key, backend: Optional[str] = None) -> Backend:
@@ -183,9 +184,7 @@ class Dispatcher:
                     self._cache[key] = found
         return found
 
-    def explain(self, key: Key):
-        from ..report import Explanation
-
+    def explain(self, key: Key) -> Explanation:
         verdicts = self.verdicts(key)
         forced, source = self.forced()
         if forced is not None:
@@ -193,8 +192,11 @@ class Dispatcher:
         else:
             chosen = automatic(verdicts)
         marked = [dataclasses.replace(v, chosen=v.name == chosen) for v in verdicts]
+        listed = {v.name for v in verdicts}
+        degraded = tuple(d for d in self._plugins.degradations()
+                         if d.backend in listed and d.concerns(key.device, key.dtype))
         return Explanation(key, marked, chosen, f"{forced} ({source})" if forced else None,
-                           tuple(self._plugins.failures()))
+                           tuple(self._plugins.failures()), degraded)
 
     # ------------------------------------------------------------ dispatch
     def call(self, key: Key, backend: Optional[str], args: tuple, options: Mapping[str, Any]) -> Any:

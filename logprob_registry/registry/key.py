@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -19,8 +18,10 @@ def vocab_bucket(vocab: Optional[int]) -> int:
     the last one, 0 when the size is not known."""
     if not vocab:
         return 0
-    i = bisect.bisect_left(VOCAB_BUCKETS, vocab)
-    return VOCAB_BUCKETS[i] if i < len(VOCAB_BUCKETS) else -1
+    for edge in VOCAB_BUCKETS:  # a plain loop, not bisect: torch.compile traces it without a graph break
+        if vocab <= edge:
+            return edge
+    return -1
 
 
 def bucket_range(bucket: int) -> Tuple[int, Optional[int]]:

@@ -14,7 +14,7 @@ from typing import Dict, List, Sequence, Tuple
 import pluggy
 
 from .. import hookspecs
-from ..backend import Backend
+from ..backend import Backend, Degradation
 from .errors import NoEligibleBackendError
 
 ENTRY_POINT_GROUP = "logprob_registry"
@@ -165,6 +165,22 @@ class PluginSet:
     def failures(self) -> List[PluginFailure]:
         self.load()
         return list(self._failures)
+
+    def degradations(self) -> List[Degradation]:
+        """What every backend that declares ``degradations`` reports running below its best, in
+        backend order, each named after its backend. A report that raises is itself a degradation."""
+        found: List[Degradation] = []
+        for b in self.backends():
+            if b.degradations is None:
+                continue
+            try:
+                reported = list(b.degradations())
+                if not all(isinstance(d, Degradation) for d in reported):
+                    raise TypeError("it must return Degradation records")
+            except Exception as exc:
+                reported = [Degradation("its degradations() report", f"raised {error_line(exc)}")]
+            found += [dataclasses.replace(d, backend=b.name) for d in reported]
+        return found
 
     def versions(self) -> Dict[str, str]:
         """Each backend's plugin distribution and version (``"logprob-registry 0.2.0.dev0 (built-in)"``)."""

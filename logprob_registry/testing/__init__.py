@@ -27,7 +27,7 @@ def __getattr__(name: str) -> Any:
 
         return BackendConformance
     if name in ("assert_close", "tolerance"):
-        from . import numerics
+        from .. import numerics
 
         return getattr(numerics, name)
     raise AttributeError(f"module 'logprob_registry.testing' has no attribute {name!r}")

@@ -1,5 +1,7 @@
 """What the conformance tests use to reach a backend: calls through the public API with
-``backend=NAME``, the float64 reference of the same call, test data, and capability skips."""
+``backend=NAME``, the float64 reference of the same call, test data, and capability skips; all read
+from the op table (:mod:`logprob_registry.opspec`: each op's inputs, options, outputs, reference and
+example inputs)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,12 @@ from typing import Optional, Sequence, Tuple
 import pytest
 import torch
 
-from logprob_registry import reference as ref
 from logprob_registry.backend import Backend
+from logprob_registry.call import key_for
 from logprob_registry.dtypes import result_dtype
 from logprob_registry.environment import MAIN_DEVICE_ORDER
-from logprob_registry.opspec import OPS
-from logprob_registry.registry import Key, get_registry
+from logprob_registry.opspec import OPS, make_input
+from logprob_registry.registry import get_registry
 
 #: Ops over logits that give log-probabilities of labels and/or the entropy, and those of them that
 #: take labels (read from the op table). ``topk_logprobs`` (which returns ids) has its own tests, and
@@ -53,10 +55,11 @@ class Harness:
 
     # ------------------------------------------------------------------ skips
     def require(self, op: str, dtype: torch.dtype = torch.float32, grad: bool = False,
-                features: Sequence[str] = ()) -> None:
+                features: Sequence[str] = (), vocab: Optional[int] = None) -> None:
         """Skip the test, with the registry's reason, unless the backend can run this case here
-        (``features``: the ``opspec.FEATURES`` the case needs)."""
-        key = Key(op, self.device.type, dtype, grad, frozenset(features))
+        (``features``: the ``opspec.FEATURES`` the case needs; ``vocab``: the vocabulary size of the
+        case, so that the key is the public call's, None when the case has several)."""
+        key = key_for(op, device=self.device, dtype=dtype, requires_grad=grad, features=features, vocab=vocab)
         verdict = next(v for v in get_registry().verdicts(key) if v.name == self.name)
         if verdict.reason is not None:
             pytest.skip(f"{self.name}: {verdict.reason}")
@@ -74,55 +77,42 @@ class Harness:
     # ------------------------------------------------------------------- data
     def logits(self, shape: Sequence[int], dtype: torch.dtype = torch.float32, scale: float = 3.0,
                seed: int = 0) -> torch.Tensor:
+        """Example logits (the op table's :func:`~logprob_registry.opspec.make_input`), times ``scale``."""
         g = torch.Generator().manual_seed(seed)
-        x = torch.randn(tuple(shape), generator=g, dtype=result_dtype(dtype))
-        return x.mul_(scale).to(dtype).to(self.device)
+        return make_input("logits", shape, dtype, g, scale=scale).to(self.device)
 
     def labels(self, shape: Sequence[int], vocab: int, dtype: torch.dtype = torch.int64, seed: int = 1) -> torch.Tensor:
+        """Example labels, uniform over ``vocab`` (the op table's :func:`~logprob_registry.opspec.make_input`)."""
         g = torch.Generator().manual_seed(seed)
-        return torch.randint(0, max(vocab, 1), tuple(shape), generator=g).to(dtype).to(self.device)
+        return make_input("labels", shape, dtype, g, vocab=vocab).to(dtype).to(self.device)
 
     # ------------------------------------------------------------------ calls
-    def call(self, op: str, logits: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
-             temperature: float = 1.0, ignore_index: Optional[int] = None,
-             inplace_backward: bool = False, **options) -> Tuple[torch.Tensor, ...]:
-        """The public function of ``op`` with ``backend=NAME``; always a tuple of outputs. Options
-        the op does not take are left out (``ignore_index`` for the entropy)."""
+    def call(self, op: str, *inputs: Optional[torch.Tensor], temperature: float = 1.0,
+             ignore_index: Optional[int] = None, inplace_backward: bool = False, **options) -> Tuple[torch.Tensor, ...]:
+        """The public function of ``op`` with ``backend=NAME`` on its positional ``inputs`` (those the
+        op takes: ``labels`` are left out for the entropy); always a tuple of outputs. Options the op
+        does not take are left out (``ignore_index`` for the entropy)."""
         spec = OPS[op]
         given = dict(temperature=temperature, ignore_index=ignore_index, inplace_backward=inplace_backward, **options)
-        kwargs = {k: v for k, v in given.items() if k in spec.option_index}
-        inputs = (logits, labels)[: len(spec.inputs)]
-        out = spec.public()(*inputs, backend=self.name, **kwargs)
+        kwargs = spec.options_of(given)
+        out = spec.public()(*inputs[: len(spec.inputs)], backend=self.name, **kwargs)
         return tuple(out) if len(spec.output_names(kwargs)) > 1 else (out,)
 
     @staticmethod
-    def reference(op: str, logits: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
-                  temperature: float = 1.0, ignore_index: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
-        """The float64 ground truth of the same call, computed on the CPU (autograd flows through
-        ``logits`` when it requires gradients)."""
-        x = logits.cpu()
-        y = None if labels is None else labels.cpu()
-        if op == "entropy":
-            return (ref.entropy(x, temperature=temperature),)
-        if op == "logprobs":
-            return (ref.logprobs(x, y, temperature=temperature, ignore_index=ignore_index),)
-        return tuple(ref.logprobs_and_entropy(x, y, temperature=temperature, ignore_index=ignore_index))
+    def reference(op: str, *inputs: Optional[torch.Tensor], **options) -> Tuple[torch.Tensor, ...]:
+        """The float64 ground truth of the same call (the op table's), computed on the CPU (autograd
+        flows through the inputs that require gradients). Options the op does not take are left out."""
+        spec = OPS[op]
+        cpu = [None if x is None else x.cpu() for x in inputs[: len(spec.inputs)]]
+        kwargs = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in spec.options_of(options).items()}
+        return spec.ground_truth(*cpu, **kwargs)
 
-    def call_hidden(self, hidden, weight, labels, *, bias=None, temperature=1.0, ignore_index=None,
-                    return_entropy=False, **options) -> Tuple[torch.Tensor, ...]:
-        spec = OPS["logprobs_from_hidden"]
-        kwargs = dict(bias=bias, temperature=temperature, ignore_index=ignore_index,
-                      return_entropy=return_entropy, **options)
-        out = spec.public()(hidden, weight, labels, backend=self.name, **kwargs)
-        return tuple(out) if len(spec.output_names(kwargs)) > 1 else (out,)
+    def call_hidden(self, hidden, weight, labels, **options) -> Tuple[torch.Tensor, ...]:
+        return self.call("logprobs_from_hidden", hidden, weight, labels, **options)
 
     @staticmethod
-    def reference_hidden(hidden, weight, labels, *, bias=None, temperature=1.0, ignore_index=None,
-                         return_entropy=False) -> Tuple[torch.Tensor, ...]:
-        out = ref.logprobs_from_hidden(
-            hidden.cpu(), weight.cpu(), labels.cpu(), bias=None if bias is None else bias.cpu(),
-            temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy)
-        return tuple(out) if return_entropy else (out,)
+    def reference_hidden(hidden, weight, labels, **options) -> Tuple[torch.Tensor, ...]:
+        return Harness.reference("logprobs_from_hidden", hidden, weight, labels, **options)
 
     def result_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return result_dtype(dtype)

@@ -40,14 +40,16 @@ class Result:
 
 def not_eligible_reason(backend: Backend, device: str) -> Optional[str]:
     """None when ``backend`` can run at least one of its ops on ``device`` here, else why not."""
-    from ..registry import Key, get_registry
+    from ..call import key_for
+    from ..registry import get_registry
 
     registry = get_registry()
     dtypes = sorted(backend.dtypes, key=str)
     first: Optional[str] = None
     for op in backend.ops:
         for dtype in dtypes:
-            verdict = next(v for v in registry.verdicts(Key(op, device, dtype, False)) if v.name == backend.name)
+            key = key_for(op, device=device, dtype=dtype)
+            verdict = next(v for v in registry.verdicts(key) if v.name == backend.name)
             if verdict.reason is None:
                 return None
             first = first or verdict.reason

@@ -1,4 +1,4 @@
-"""The conformance suite: the numerical contract of DESIGN.md as tests, for any backend.
+"""The conformance suite: the contract of docs/conformance.md as tests, for any backend.
 
 Subclass :class:`BackendConformance` in a test module of your own and name your backend::
 
@@ -11,7 +11,7 @@ Subclass :class:`BackendConformance` in a test module of your own and name your 
 Every test calls the backend through the public functions with ``backend=NAME`` (so that input
 validation and dispatch run as for a user) and compares with the float64 reference
 (:mod:`logprob_registry.reference`) within the tolerance derived in
-:mod:`logprob_registry.testing.numerics`. Ops, dtypes, gradients or devices the backend does not
+:mod:`logprob_registry.numerics`. Ops, dtypes, gradients or devices the backend does not
 declare, or that this machine lacks, are skipped with a reason that says which. Test names are part
 of the API for subclassers: they are never renamed.
 
@@ -39,12 +39,9 @@ from logprob_registry.backend import Backend
 from logprob_registry.registry import get_registry
 
 from .harness import Harness, default_device
-from .sections import coverage_of
+from .sections import Sections, coverage_of
 from .sections._common import MEMORY_LIMIT
-from .sections.distributed import DistributedSection
-from .sections.hidden import HiddenSection
-from .sections.logits import IGNORE, LARGE_VOCAB, MEMORY_SHAPE, SHAPES, STRIDED, LogitsSection
-from .sections.semantics import SemanticsSection
+from .sections.logits import IGNORE, LARGE_VOCAB, MEMORY_SHAPE, SHAPES, STRIDED
 
 __all__ = ["BackendConformance", "not_declared", "IGNORE", "LARGE_VOCAB", "MEMORY_LIMIT", "MEMORY_SHAPE",
            "SHAPES", "STRIDED"]
@@ -76,7 +73,7 @@ def not_declared(backend: Backend, test: str, params: dict, cls: Optional[type] 
     return None
 
 
-class BackendConformance(LogitsSection, HiddenSection, SemanticsSection, DistributedSection):
+class BackendConformance(Sections):
     """Base class of the conformance suite: set ``backend`` (and optionally ``device``).
 
     ``backend``: the registered name. None takes ``--logprob-backend`` from the command line.

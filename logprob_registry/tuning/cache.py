@@ -168,10 +168,13 @@ def load(path: str) -> Optional[Ranking]:
 
 
 class Tuning:
-    """The ranking selection follows, loaded once per file (and per change of the file), checked
-    against the process's machine, torch and backend versions."""
+    """A ranking source (``Registry(ranking=...)``) that reads a ranking file: ``path``, or by
+    default the file in force (:func:`path_in_force`: ``LOGPROB_REGISTRY_TUNING``, else the user's
+    cache), loaded once per file (and per change of the file), checked against the process's
+    machine, torch and backend versions."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Optional[str] = None) -> None:
+        self.path = None if path is None else os.fspath(path)
         self._lock = threading.Lock()
         self._loaded: Tuple[Optional[str], float] = (None, -1.0)
         self._ranking: Optional[Ranking] = None
@@ -179,7 +182,7 @@ class Tuning:
         self._warned: set = set()
 
     def _current(self) -> Tuple[Optional[str], Optional[Ranking], Optional[str]]:
-        path = path_in_force()
+        path = self.path or path_in_force()
         if path is None:
             return None, None, None
         try:

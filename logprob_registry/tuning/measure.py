@@ -5,6 +5,11 @@ counts; the result is a :class:`~.cache.Ranking`.
 A backend's time for a key is the geometric mean over the row counts measured, so that every row
 count weighs the same and the ranking depends on the bucket alone (the choice must never depend on
 the number of rows: a row's result would then depend on its batch).
+
+The inputs are the op table's example inputs (:meth:`~logprob_registry.opspec.OpSpec.example`), the
+smoke check judges by the op's ground truth and the accuracy contract (:mod:`logprob_registry.numerics`),
+and a time is the median of ``bench``'s timing engine (:func:`logprob_registry.benchmark.timing.time_workload`)
+run in this process.
 """
 
 from __future__ import annotations
@@ -12,15 +17,15 @@ from __future__ import annotations
 import datetime
 import math
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..call import key_for
 from ..dtypes import dtype_name
 from ..opspec import OPS
-from ..registry import Key, get_registry, vocab_bucket
+from ..registry import Key, get_registry
 from .cache import Entry, Ranking, key_string, machine
 
 #: The vocabulary size measured for each bucket (typical sizes: GPT-2, Llama-2, Qwen-2).
@@ -58,56 +63,38 @@ class Plan:
         return fitting[-1:] if self.quick else fitting
 
     def keys(self) -> List[Tuple[Key, int]]:
-        return [(Key(op, self.device, dtype, grad, frozenset(), vocab_bucket(v)), v)
+        return [(key_for(op, device=self.device, dtype=dtype, requires_grad=grad, vocab=v), v)
                 for op in self.ops for dtype in self.dtypes for grad in self.grads for v in self.vocabs]
-
-
-def _inputs(op: str, rows: int, vocab: int, dtype: torch.dtype, device: str, grad: bool, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype).to(device)
-    labels = torch.randint(0, vocab, (rows,), generator=g).to(device)
-    if grad:
-        logits.requires_grad_(True)
-    return (logits, labels)[: len(OPS[op].inputs)]
-
-
-def _call(op: str, name: str, inputs, grad: bool):
-    out = OPS[op].public()(*inputs, backend=name)
-    outs = out if isinstance(out, tuple) else (out,)
-    if grad:
-        sum(o.float().sum() for o in outs).backward()
-    return outs
-
-
-def _sync(device: str) -> None:
-    module = getattr(torch, device, None) if device != "cpu" else None
-    if module is not None and hasattr(module, "synchronize"):
-        module.synchronize()
 
 
 def smoke(op: str, name: str, vocab: int, dtype: torch.dtype, device: str, grad: bool) -> Optional[str]:
     """None when ``name`` agrees with the float64 reference (values, and gradients when ``grad``)
     on a few rows, else what went wrong."""
-    from .. import reference as ref
-    from ..testing.numerics import assert_close, tolerances
+    from ..numerics import assert_close, gradient_rounding, tolerances
 
-    inputs = _inputs(op, 4, vocab, dtype, device, grad, seed=12345)
+    spec = OPS[op]
+    example = spec.example((4, vocab), dtype, device, requires_grad=grad, seed=12345)
     try:
-        outs = _call(op, name, inputs, grad)
+        with torch.set_grad_enabled(grad):
+            out = spec.public()(*example.args, backend=name, **example.options)
+            outs = out if isinstance(out, tuple) else (out,)
+            if grad:
+                sum(o.float().sum() for o in outs).backward()
     except Exception as exc:  # a backend that raises is not ranked
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-    x = inputs[0].detach().cpu().double().requires_grad_(grad)
-    y = inputs[1].cpu() if len(inputs) > 1 else None
-    want = {"logprobs": lambda: (ref.logprobs(x, y),), "entropy": lambda: (ref.entropy(x),),
-            "logprobs_and_entropy": lambda: tuple(ref.logprobs_and_entropy(x, y))}[op]()
+    leaves = {n: x for n, x in example.inputs.items() if x.requires_grad}
+    exact = {n: x.detach().cpu().double().requires_grad_(n in leaves) if x.is_floating_point() else x.cpu()
+             for n, x in example.inputs.items()}
+    x = exact[spec.dtype_input]
+    want = spec.ground_truth(*exact.values(), **example.options)
     try:
-        for got, expected, tol in zip(outs, want, tolerances(op, x)):
+        for got, expected, tol in zip(outs, want, tolerances(op, x, options=example.options)):
             assert_close(got, expected, tol, f"{name} {op}")
         if grad:
             sum(w.sum() for w in want).backward()
-            atol = 4 * max(tolerances(op, x))
-            assert_close(inputs[0].grad, x.grad, atol, f"{name} {op} gradient",
-                         rtol=max(torch.finfo(dtype).eps, 4 * torch.finfo(torch.float32).eps))
+            atol = 4 * max(tolerances(op, x, options=example.options))
+            for n, leaf in leaves.items():
+                assert_close(leaf.grad, exact[n].grad, atol, f"{name} {op} gradient", rtol=gradient_rounding(dtype))
     except AssertionError as exc:
         return str(exc).splitlines()[0]
     return None
@@ -115,19 +102,16 @@ def smoke(op: str, name: str, vocab: int, dtype: torch.dtype, device: str, grad:
 
 def time_call(op: str, name: str, rows: int, vocab: int, dtype: torch.dtype, device: str, grad: bool,
               repeat: int, warmup: int, seed: int) -> float:
-    """Median seconds of one call (with its backward when ``grad``) after ``warmup`` calls."""
-    inputs = _inputs(op, rows, vocab, dtype, device, grad, seed)
-    times = []
-    for i in range(warmup + repeat):
-        if grad:
-            inputs[0].grad = None
-        _sync(device)
-        start = time.perf_counter()
-        with torch.set_grad_enabled(grad):
-            _call(op, name, inputs, grad)
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+    """Median seconds of one call (with its backward when ``grad``) after ``warmup`` calls, timed in
+    this process by ``bench``'s engine on ``bench``'s workload (the op's example inputs, ``rows``
+    positions of ``vocab`` logits; each call's gradients fresh)."""
+    from ..benchmark.settings import Setting
+    from ..benchmark.timing import time_workload
+    from ..benchmark.workload import Workload
+
+    s = Setting(op=op, device=device, dtype=dtype_name(dtype), shape=(1, rows, vocab), backward=grad,
+                repeat=repeat, warmup=warmup, seed=seed)
+    times, _ = time_workload(Workload(s, name))
     return statistics.median(times)
 
 

@@ -22,6 +22,7 @@ import os
 import torch
 
 import logprob_registry as lr
+from logprob_registry import kit
 
 
 def _cpu_allowed() -> bool:
@@ -38,10 +39,9 @@ class _FirstOrderOnly(torch.autograd.Function):
         return x.clone()
 
     @staticmethod
+    @kit.first_order_only("backend 'liger'", "Liger computes the gradient during the forward pass; use "
+                          "backend='naive' for second-order gradients.")
     def backward(ctx, grad):
-        if torch.is_grad_enabled():
-            raise RuntimeError("backend 'liger' does not support double backward (create_graph=True): Liger "
-                               "computes the gradient during the forward pass; use backend='naive' for it")
         return grad
 
 
@@ -50,7 +50,7 @@ def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
 
     vocab = logits.shape[-1]
     if logits.numel() == 0:
-        return logits.sum(-1).float() * 0 if logits.dtype != torch.float64 else logits.sum(-1) * 0
+        return logits.sum(-1).to(kit.result_dtype(logits.dtype)) * 0
     grad = torch.is_grad_enabled() and logits.requires_grad
     x = logits if temperature == 1.0 else logits / temperature
     if not grad:
@@ -63,7 +63,7 @@ def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
     if keep is not None:
         target = target.masked_fill(~keep, 0)
     loss = LigerCrossEntropyFunction.apply(rows, target, None, -1, 0.0, 0.0, "none", None, False, False, False)[0]
-    out = -loss.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    out = -loss.to(kit.result_dtype(logits.dtype))
     if keep is not None:
         out = out.masked_fill(~keep, 0.0)
     if grad:
@@ -78,7 +78,7 @@ def register_backends(register):
         ops={"logprobs": logprobs},
         devices={"cuda", "cpu"} if _cpu_allowed() else {"cuda"},
         dtypes={torch.float32, torch.float64},
-        priority=25,
+        priority=kit.Priority.KERNEL - 5,  # a fused kernel, below triton's: it copies the logits
         torch=">=2.1.2",
         requires=("liger_kernel.ops.cross_entropy",),
         autograd=True,

@@ -3,6 +3,11 @@
 It computes ``logprobs`` a block of rows at a time (a few MiB), reading the logits through their
 strides, so it never copies them; backward recomputes each block's softmax from the saved
 log-sum-exp. Replace the two loops with calls to your kernel.
+
+The rules every backend shares come from :mod:`logprob_registry.kit` (the public helpers for
+backend authors): ``kit.result_dtype`` (what a result is computed and returned in) and
+``kit.first_order_only`` (a backward that refuses ``create_graph=True`` rather than silently
+dropping the second-order term).
 """
 
 import itertools
@@ -10,6 +15,7 @@ import itertools
 import torch
 
 import logprob_registry as lr
+from logprob_registry import kit
 
 BLOCK_ELEMENTS = 1 << 20  # logits read per step: 4 MiB in float32
 
@@ -26,15 +32,13 @@ def _blocks(logits, *rows):
 
 
 def _log_softmax(x, temperature):
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return (x.to(acc) / temperature).log_softmax(-1)
+    return (x.to(kit.result_dtype(x.dtype)) / temperature).log_softmax(-1)
 
 
 class _LogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature, ignore_index):
-        out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        out = torch.zeros(labels.shape, dtype=out_dtype, device=logits.device)
+        out = torch.zeros(labels.shape, dtype=kit.result_dtype(logits.dtype), device=logits.device)
         keep = torch.ones_like(labels, dtype=torch.bool) if ignore_index is None else labels != ignore_index
         index = labels.masked_fill(~keep, 0).long()  # an ignored label is never used as an index
         for x, o, i, k in _blocks(logits, out, index, keep):
@@ -44,17 +48,15 @@ class _LogProbs(torch.autograd.Function):
         return out
 
     @staticmethod
+    @kit.first_order_only("backend 'template'")  # the loops below are not differentiable: refuse create_graph=True
     def backward(ctx, grad_out):
-        if torch.is_grad_enabled():  # create_graph=True: the loops below are not differentiable, so say so
-            raise RuntimeError("backend 'template' does not support double backward (create_graph=True); "
-                               "use backend='naive' for second-order gradients")
         logits, index, keep = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         g_all = grad_out * keep
         for x, gx, i, g in _blocks(logits, grad, index, g_all):
             # d logp_y / dx = (onehot(y) - softmax(x / T)) / T
-            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-            d = _log_softmax(x, ctx.temperature).exp_().mul_(-g.unsqueeze(-1).to(acc))
+            d = _log_softmax(x, ctx.temperature).exp_()
+            d.mul_(-g.unsqueeze(-1).to(d.dtype))
             d.scatter_add_(-1, i.unsqueeze(-1), g.unsqueeze(-1).to(d.dtype))
             gx.copy_(d.div_(ctx.temperature))
         return grad, None, None, None
@@ -70,8 +72,8 @@ def register_backends(register):
         name="template",
         ops={"logprobs": logprobs},
         devices={"cpu", "cuda"},
-        dtypes={torch.float16, torch.bfloat16, torch.float32, torch.float64},
-        priority=5,
+        dtypes=set(kit.FLOAT_DTYPES),
+        priority=kit.Priority.PORTABLE - 5,  # pure PyTorch, but below chunked: pick your band (Priority)
         torch=">=2.1",
         autograd=True,
         batch_invariant=True,

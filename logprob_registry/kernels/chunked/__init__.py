@@ -24,12 +24,9 @@ from typing import Optional, Tuple
 import torch
 
 import logprob_registry as lr
-from logprob_registry import config
-from logprob_registry import reference as ref
-from logprob_registry.amp import backward_without_autocast
-from logprob_registry.dtypes import FLOAT_DTYPES
+from logprob_registry import config, kit
+from logprob_registry.kit import FLOAT_DTYPES, backward_without_autocast, overlapping, second_order_gradient
 
-from .._common import overlapping, second_order_gradient
 from . import _hidden, _sampler, _shards
 from . import _rows as loops
 
@@ -93,7 +90,7 @@ def _reference_outputs(logits, index, valid, plan: loops.Plan) -> tuple:
     """The op's outputs by the reference formulas in the result dtype, differentiable (for a
     double backward): ``index`` and ``valid`` as the forward made them."""
     labels = None if index is None else index.view(logits.shape[:-1])
-    outs = ref.outputs(logits, labels, temperature=plan.temperature, ignore_index=None,
+    outs = kit.reference_outputs(logits, labels, temperature=plan.temperature, ignore_index=None,
                        want_logprobs=plan.want_logprobs, want_entropy=plan.want_entropy)
     outs = list(outs) if isinstance(outs, tuple) else [outs]
     if plan.want_logprobs and valid is not None:
@@ -143,7 +140,7 @@ class _ChunkedFunction(torch.autograd.Function):
 
 def _run(logits, labels, temperature, ignore_index, inplace_backward, want_logprobs, want_entropy):
     if logits.shape[-1] == 0:  # nothing to chunk; the textbook formulas give the textbook answer
-        return ref.outputs(logits, labels, temperature=temperature, ignore_index=ignore_index,
+        return kit.reference_outputs(logits, labels, temperature=temperature, ignore_index=ignore_index,
                            want_logprobs=want_logprobs, want_entropy=want_entropy)
     plan = _plan(logits, temperature, want_logprobs, want_entropy)
     if labels is not None:
@@ -227,7 +224,7 @@ def register_backends(register):
         },
         devices={"cpu", "cuda", "npu", "xpu", "mps", "hpu"},
         dtypes=set(FLOAT_DTYPES),
-        priority=10,
+        priority=kit.Priority.PORTABLE,
         # tiny vocabularies (up to 256): its fixed cost per call outweighs the work; naive wins there
         min_vocab=257,
         autograd=True,

@@ -36,10 +36,8 @@ import torch
 
 from logprob_registry import config
 from logprob_registry import reference as ref
-from logprob_registry.amp import backward_without_autocast
-from logprob_registry.dtypes import result_dtype as _compute_dtype
-
-from .._common import MIN_GEMM_ROWS, add_matmul, pad_rows, second_order_gradient
+from logprob_registry.kit import MIN_GEMM_ROWS, add_matmul, backward_without_autocast, pad_rows, second_order_gradient
+from logprob_registry.kit import result_dtype as _compute_dtype
 
 #: Bytes of one fp32 tile of logits, by device type ("default" for the others). Small on the CPU,
 #: where a 1024 x 1024 tile already keeps the matmuls as fast as one big matmul; larger on

@@ -32,7 +32,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from logprob_registry.dtypes import result_dtype as compute_dtype
+from logprob_registry.kit import result_dtype as compute_dtype
 
 
 @dataclass

@@ -29,10 +29,15 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from logprob_registry import reference as ref
-from logprob_registry.amp import backward_without_autocast
-from logprob_registry.dtypes import result_dtype
+from logprob_registry.kit import (
+    MIN_GEMM_ROWS,
+    Sampler,
+    backward_without_autocast,
+    first_order_only,
+    overlapping,
+    result_dtype,
+)
 
-from .._common import MIN_GEMM_ROWS, first_order_only, overlapping
 from . import _hidden
 from . import _rows as loops
 
@@ -554,7 +559,7 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
 
 def used(softcap=None, top_k=None, top_p=None, min_p=None, keep=None, logits_dtype=None) -> bool:
     """Whether a call uses anything of this module (else the plain chunked code runs, unchanged)."""
-    return ref.sampler_used(softcap, top_k, top_p, min_p, keep) or logits_dtype is not None
+    return Sampler(softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep).used or logits_dtype is not None
 
 
 __all__ = ["BYTES_PER_ELEMENT", "Plan", "Stats", "backward_tile", "forward_rows", "logprobs_from_hidden",

@@ -1,7 +1,7 @@
 """``chunked``'s vocabulary-parallel ops: tile statistics of a shard and its gradient, for the
 logits ops and for ``logprobs_from_hidden`` (see :mod:`logprob_registry.distributed`).
 
-Tile statistics use :func:`~logprob_registry.distributed.tiles.tile_stats_`: a max (exact) and
+Tile statistics use :func:`~logprob_registry.kit.tile_stats_`: a max (exact) and
 sums by a halving tree (elementwise adds only), so a tile's statistics depend bitwise on its own
 columns whatever the rows around it, the shard's width, the device or the thread count:
 ``chunked`` declares ``group_invariant``. Rows go a chunk at a time through a workspace of a few
@@ -22,10 +22,17 @@ from typing import Callable, Optional
 
 import torch
 
-from logprob_registry.distributed.tiles import label_columns, n_tiles, tile_stats_
-from logprob_registry.dtypes import result_dtype
+from logprob_registry.kit import (
+    MIN_GEMM_ROWS,
+    add_matmul,
+    label_columns,
+    n_tiles,
+    overlapping,
+    pad_rows,
+    result_dtype,
+    tile_stats_,
+)
 
-from .._common import MIN_GEMM_ROWS, add_matmul, overlapping, pad_rows
 from ._hidden import resolve_chunk_bytes
 from ._rows import chunks
 

@@ -7,9 +7,11 @@ per kind of call and process covers every batch size, sequence length, vocabular
 temperature. How it works, what it costs the first time, and its measured numbers:
 docs/backends/compiled.md.
 
-Modules: :mod:`._kernels` (the kernels and their compilation), :mod:`._ops` (layout, forward,
-autograd), :mod:`._aot` (prebuilt kernels, built by ``logprob-registry warmup``), :mod:`._shards`
-(the vocabulary-parallel ops behind ``process_group=``).
+Modules: :mod:`._math` (the kernels as plain functions), :mod:`._kernels` (their compilation),
+:mod:`._ops` (layout, forward, autograd), :mod:`._aot` (prebuilt kernels: the backend's
+``prepare``, which ``logprob-registry warmup`` calls), :mod:`._shards` (the vocabulary-parallel ops
+behind ``process_group=``), :mod:`._hidden` (the fused op). A backward whose kernel fails to compile
+after its forward ran goes on eagerly; :func:`degradations` reports it to the registry.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from functools import lru_cache
 from typing import Optional
 
 import logprob_registry as lr
-from logprob_registry.dtypes import FLOAT_DTYPES
+from logprob_registry import kit
+from logprob_registry.kit import FLOAT_DTYPES
 
-from . import _hidden, _kernels, _ops, _shards
+from . import _aot, _hidden, _kernels, _ops, _shards
 from ._kernels import INDUCTOR_OPTIONS, KERNELS, RECOMPILE_LIMIT, TORCH_SPEC, CompileError, compile_counts
 
 __all__ = ["INDUCTOR_OPTIONS", "KERNELS", "RECOMPILE_LIMIT", "TORCH_SPEC", "CompileError", "available",
-           "compile_counts", "entropy", "logprobs", "logprobs_and_entropy", "reset"]
+           "compile_counts", "degradations", "entropy", "logprobs", "logprobs_and_entropy", "reset"]
 
 
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward, softcap=None):
@@ -43,10 +46,37 @@ def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_b
 
 
 def reset() -> None:
-    """Forget every compiled kernel and warm-up of this backend (tests use it to compile afresh)."""
+    """Forget every compiled kernel and warm-up of this backend (tests use it to compile afresh),
+    and the backwards run eagerly (:func:`degradations`)."""
     _kernels.reset()
     _ops.reset()
     _hidden.reset()
+
+
+_WANT_OPS = {(True, False): "logprobs", (False, True): "entropy", (True, True): "logprobs_and_entropy"}
+
+
+def _dtype(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def degradations() -> list:
+    """The backend's ``degradations``: the kinds of backward whose kernel failed to compile after
+    their forward ran, which run the same math eagerly for the rest of the process (until
+    :func:`reset`), one record per op, device and dtype."""
+    found = {}
+    for kind, reason in list(_ops._eager_backward.items()):  # (kernel, want, layout..., device, dtype)
+        name, want, device, dtype = kind[0], kind[1], kind[-2], kind[-1]
+        what = (f"the backward of {_WANT_OPS.get(want, 'its ops')} on {device} {_dtype(dtype)} logits runs eagerly, "
+                f"a block of rows at a time, instead of its {name} kernel")
+        found.setdefault((what, device, dtype), reason)
+    for kind, reason in list(_hidden._eager.items()):  # (compute dtype, device, ...)
+        what = (f"the backward of logprobs_from_hidden on {kind[1]} tensors (computed in {_dtype(kind[0])}) runs "
+                "its tile function eagerly")
+        found.setdefault((what, kind[1], None), reason)
+    return [kit.Degradation(what, f"{reason}; compiled.reset() or a new process tries to compile again",
+                           device, dtype)
+            for (what, device, dtype), reason in found.items()]
 
 
 # --------------------------------------------------------------------------- eligibility
@@ -108,7 +138,7 @@ def register_backends(register):
              "hidden_shard_stats": _shards.hidden_shard_stats, "hidden_shard_grad": _shards.hidden_shard_grad},
         devices={"cpu", "cuda"},
         dtypes=set(FLOAT_DTYPES),
-        priority=20,
+        priority=kit.Priority.COMPILED,
         # tiny vocabularies (up to 256): its fixed cost per call outweighs the work; naive wins there
         min_vocab=257,
         torch=TORCH_SPEC,
@@ -119,6 +149,8 @@ def register_backends(register):
         deterministic=True,
         features={"softcap", "logits_dtype"},
         group_invariant=True,
+        prepare=_aot.prepare,
+        degradations=degradations,
         description="torch.compile (inductor) of the row statistics and of the one-pass gradient; "
                     "no N x V temporary; compiles once per kind of call and process",
     ))

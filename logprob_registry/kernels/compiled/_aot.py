@@ -1,9 +1,9 @@
 """Prebuilt kernels of the ``compiled`` backend: AOTInductor packages, built by
-``logprob-registry warmup`` (:mod:`logprob_registry.warmup`) and loaded by a later process with
+``logprob-registry warmup`` (through :func:`prepare`, the backend's ``prepare``) and loaded by a later process with
 torch's C++ package loader, so that its first call neither imports dynamo and inductor (2-3 s on a
 small CPU) nor compiles (15-25 s cold).
 
-A package holds one kernel of :mod:`._kernels` (the forward with or without entropy, the backward
+A package holds one kernel of :mod:`._math` (the forward with or without entropy, the backward
 of an op, out of place or in place) for one dtype and one vocabulary class, exported with dynamic
 rows and vocabulary. :func:`run` uses it only when the call fits what it was exported for,
 checked here in Python (the package itself checks nothing: wrong strides would give wrong numbers,
@@ -14,9 +14,10 @@ path it took.
 
 A package's file name carries a key of what it is valid for: torch's version and git hash (the
 package links libtorch), the machine and the CPU's instruction sets (a package built for AVX512
-dies of SIGILL elsewhere), this module's and :mod:`._kernels`'s source, the inductor options, the
-kernel, dtype and vocabulary class. A package of another key is never looked at: after an upgrade
-the first call compiles again, and says so, until ``logprob-registry warmup`` builds anew.
+dies of SIGILL elsewhere), the kernels' source (:mod:`._math`) and the code here that exports
+them, the inductor options, the kernel, dtype and vocabulary class. A package of another key is
+never looked at: after an upgrade the first call compiles again, and says so, until
+``logprob-registry warmup`` builds anew.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 import torch
 
 from logprob_registry import config
-from logprob_registry.dtypes import FLOAT_DTYPES, dtype_name, result_dtype
+from logprob_registry.kit import FLOAT_DTYPES, dtype_name, result_dtype
 
-from . import _kernels
+from . import _math
 
 log = logging.getLogger("logprob_registry")
 
@@ -85,7 +86,7 @@ def _loader_class():
 
 # --------------------------------------------------------------------------- what a package is
 class Spec(NamedTuple):
-    """One package: a kernel of :mod:`._kernels` for one dtype and vocabulary class; a backward's
+    """One package: a kernel of :mod:`._math` for one dtype and vocabulary class; a backward's
     ``want`` is its op's outputs (logprobs, entropy), whose gradient terms it computes."""
 
     kernel: str
@@ -134,7 +135,7 @@ def _cpu_flags() -> str:
 def _source_hash() -> str:
     """The kernels' module, and the code here that exports them (not the rest of this module)."""
     h = hashlib.sha256()
-    with open(_kernels.__file__, "rb") as f:
+    with open(_math.__file__, "rb") as f:
         h.update(f.read())
     for part in (_Forward, _Backward, _example, _program):
         h.update(inspect.getsource(part).encode())
@@ -148,7 +149,7 @@ def identity() -> Dict[str, object]:
         "format": FORMAT, "torch": torch.__version__, "torch_git": torch.version.git_version,
         "system": platform.system(), "machine": platform.machine(),
         "isa": torch.backends.cpu.get_cpu_capability(), "cpu_flags": _cpu_flags(),
-        "source": _source_hash(), "inductor_options": sorted(_kernels.INDUCTOR_OPTIONS.items()),
+        "source": _source_hash(), "inductor_options": sorted(_math.INDUCTOR_OPTIONS.items()),
     }
 
 
@@ -321,7 +322,7 @@ class Built(NamedTuple):
 class _Forward(torch.nn.Module):
     def __init__(self, kernel: str):
         super().__init__()
-        self.kernel = _kernels.KERNELS[kernel]
+        self.kernel = _math.KERNELS[kernel]
 
     def forward(self, x, idx, k):
         return self.kernel(x, idx, k)
@@ -337,9 +338,9 @@ class _Backward(torch.nn.Module):
 
     def forward(self, x, out, idx, m, log2_s, h, g_lp, g_ent, k, inv_t):
         if self.inplace:
-            _kernels._bwd_inplace(x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t)
+            _math._bwd_inplace(x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t)
         else:
-            out.copy_(_kernels._bwd(x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t))
+            out.copy_(_math._bwd(x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t))
         return ()
 
 
@@ -348,7 +349,7 @@ def _example(spec: Spec, rows: int, vocab: int, seed: int) -> tuple:
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, vocab, generator=gen) * 3).to(spec.dtype)
     idx = torch.randint(0, vocab, (rows, 1), generator=gen)
-    scale = torch.tensor(_kernels.LOG2E / 0.7, dtype=torch.float64)
+    scale = torch.tensor(_math.LOG2E / 0.7, dtype=torch.float64)
     if spec.kernel in FORWARD:
         return (x, idx, scale)
     fd = result_dtype(spec.dtype)
@@ -384,10 +385,10 @@ def _check(spec: Spec, file: str) -> None:
     package = _Package(file)
     if spec.kernel in FORWARD:
         got = package([x, args[1], args[2]])
-        want = _kernels.KERNELS[spec.kernel](x, args[1], float(args[2]))
+        want = _math.KERNELS[spec.kernel](x, args[1], float(args[2]))
     else:
         columns = [t for t in args[2:8] if t is not None]
-        want = [_kernels._bwd(x, *args[2:8], float(scales[0]), float(scales[1]))]
+        want = [_math._bwd(x, *args[2:8], float(scales[0]), float(scales[1]))]
         target = x.clone() if spec.kernel == "bwd_inplace" else args[1]
         package(([] if spec.kernel == "bwd_inplace" else [x]) + [target, *columns, *scales])
         got = [target]
@@ -463,7 +464,7 @@ def _compile(spec: Spec, file: str) -> None:
         try:
             program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
             torch._inductor.aoti_compile_and_package(program, package_path=file,
-                                                     inductor_configs=dict(_kernels.INDUCTOR_OPTIONS))
+                                                     inductor_configs=dict(_math.INDUCTOR_OPTIONS))
         except Exception as exc:
             first = (str(exc).strip().splitlines() or [""])[0]
             raise BuildError(f"building {spec.label()} failed ({type(exc).__name__}: {first}); building "
@@ -476,3 +477,49 @@ def _write_json(file: str, data: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
     os.replace(tmp, file)
+
+
+# --------------------------------------------------------------------------- prepare (warmup)
+def plan(request) -> List[Spec]:
+    """The packages a :class:`~logprob_registry.backend.Preparation` asks for, each once, in build
+    order; a ValueError for a request this backend has nothing to build for."""
+    ops = list(request.ops)
+    bad = [op for op in ops if op not in WANT]
+    if bad or not ops:
+        raise ValueError(f"prebuilt kernels exist for {', '.join(WANT)}; got {ops!r}")
+    if request.device.split(":")[0] != "cpu":
+        raise ValueError(f"prebuilt kernels exist for the CPU only; on {request.device}, the compiled backend's "
+                         "first call uses torch.compile and its caches (docs/backends/compiled.md)")
+    bad = [d for d in request.dtypes if d not in FLOAT_DTYPES]
+    if bad or not request.dtypes:
+        raise ValueError(f"prebuilt kernels take floating dtypes, got {list(request.dtypes)!r}")
+    classes = sorted({v > SMALL_VOCAB for v in request.vocab}, reverse=True)
+    found: List[Spec] = []
+    for dtype in request.dtypes:
+        for large in classes:
+            for op in ops:
+                found += [s for s in specs(op, dtype, large, request.backward, request.inplace) if s not in found]
+    return found
+
+
+def prepare(request) -> list:
+    """The backend's ``prepare`` (``logprob-registry warmup``): build the packages ``request`` asks
+    for into ``request.folder`` (default :func:`folder`), keeping those already there unless
+    ``request.force``; in a dry run, only name them. One record per package, its ``detail`` the
+    :class:`Spec`."""
+    wanted = plan(request)
+    where = request.folder or folder()
+    if where is None:
+        raise ValueError("LOGPROB_REGISTRY_KERNEL_CACHE is off, so no prebuilt kernel would be loaded; unset it, "
+                         "or set it to a folder")
+    done = []
+    for spec in wanted:
+        file = path(spec, where)
+        if request.dry_run:
+            done.append(request.record(spec.label(), file, "planned", detail=spec))
+            continue
+        if request.force or not os.path.exists(file):
+            request.say(f"building {spec.label()} ...")
+        built = build(spec, where, force=request.force)
+        done.append(request.record(spec.label(), built.path, built.status, built.seconds, detail=spec))
+    return done

@@ -44,9 +44,8 @@ import torch
 
 import logprob_registry as lr
 from logprob_registry import reference as ref
-from logprob_registry.dtypes import result_dtype
+from logprob_registry.kit import MIN_GEMM_ROWS, result_dtype, second_order_gradient
 
-from .._common import MIN_GEMM_ROWS, second_order_gradient
 from ._kernels import INDUCTOR_OPTIONS, LN2, LOG2E, RECOMPILE_LIMIT, CompileError, _notice, compile_error
 
 __all__ = ["KERNELS", "TILES", "Plan", "compile_counts", "logprobs_from_hidden", "plan", "reset", "row_tiles",

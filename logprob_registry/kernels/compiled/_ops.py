@@ -11,15 +11,14 @@ from typing import Dict, NamedTuple, Optional
 import torch
 
 import logprob_registry as lr
-from logprob_registry import reference as ref
-from logprob_registry.amp import backward_without_autocast
-from logprob_registry.dtypes import result_dtype
+from logprob_registry import kit
+from logprob_registry.kit import backward_without_autocast, result_dtype, second_order_gradient
+from logprob_registry.kit import overlapping as _overlapping
 
-from .._common import overlapping as _overlapping
-from .._common import second_order_gradient
 from ._kernels import LN2, LOG2E, CompileError, _grad_math, _run
 
-#: Rows per block of the eager backward used when a backward kernel cannot be compiled.
+#: Bytes of float32 temporaries (8 per logit) per block of the eager backward used when a backward
+#: kernel cannot be compiled: a block is EAGER_BLOCK_BYTES // (8 * V) rows.
 EAGER_BLOCK_BYTES = 64 << 20
 _lock = threading.RLock()
 
@@ -220,8 +219,8 @@ def _reference_outputs(logits, idx, ignored, inv_t, want_logp, want_entropy, cap
     """The op's outputs by the reference formulas in the result dtype, differentiable (for a
     double backward): ``idx`` and ``ignored`` as the forward made them; ``cap``, the softcap."""
     lead = logits.shape[:-1]
-    outs = ref.outputs(logits, idx.view(lead) if want_logp else None, temperature=1.0 / inv_t, ignore_index=None,
-                       want_logprobs=want_logp, want_entropy=want_entropy, softcap=cap)
+    outs = kit.reference_outputs(logits, idx.view(lead) if want_logp else None, temperature=1.0 / inv_t,
+                                 ignore_index=None, want_logprobs=want_logp, want_entropy=want_entropy, softcap=cap)
     outs = list(outs) if isinstance(outs, tuple) else [outs]
     if want_logp and ignored is not None:
         outs[0] = outs[0].masked_fill(ignored.view(lead), 0.0)
@@ -264,7 +263,7 @@ class _LogSoftmaxOps(torch.autograd.Function):
 
 def apply(logits, labels, temperature, ignore_index, want_logp, want_entropy, inplace, softcap=None):
     if logits.numel() == 0:  # nothing to compile for
-        return ref.outputs(logits, labels, temperature=temperature, ignore_index=ignore_index,
+        return kit.reference_outputs(logits, labels, temperature=temperature, ignore_index=ignore_index,
                            want_logprobs=want_logp, want_entropy=want_entropy, softcap=softcap)
     inv_t = 1.0 / temperature
     if torch.is_grad_enabled() and logits.requires_grad:

@@ -22,8 +22,7 @@ import math
 
 import torch
 
-from logprob_registry.distributed.tiles import label_columns, n_tiles
-from logprob_registry.dtypes import result_dtype
+from logprob_registry.kit import label_columns, n_tiles, result_dtype
 
 from ..chunked import _shards as chunked_shards
 from ._kernels import LN2, LOG2E, _run

@@ -19,10 +19,11 @@ from __future__ import annotations
 import os
 
 import logprob_registry as lr
-from logprob_registry.dtypes import FLOAT_DTYPES
+from logprob_registry import kit
+from logprob_registry.kit import FLOAT_DTYPES
 
-PRIORITY = 30
-INTERPRETER_PRIORITY = -10  # below naive (0): the interpreter is never an automatic choice
+PRIORITY = kit.Priority.KERNEL
+INTERPRETER_PRIORITY = kit.Priority.EXPLICIT_ONLY  # below naive: never an automatic choice
 # Versions tested: torch 2.13 (CPU, interpreter); triton 3.6 and 3.9 (interpreter, and compiled for
 # sm_90 and gfx942 without a GPU). docs/hardware.md says what has run where.
 TORCH_SPEC = ">=2.13"

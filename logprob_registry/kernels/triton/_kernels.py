@@ -32,11 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from logprob_registry import reference as ref
-from logprob_registry.amp import backward_without_autocast
-from logprob_registry.dtypes import result_dtype
-
-from .._common import overlapping, second_order_gradient
+from logprob_registry import kit
+from logprob_registry.kit import backward_without_autocast, overlapping, result_dtype, second_order_gradient
 
 try:
     INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -468,8 +465,8 @@ class _LogprobsEntropy(torch.autograd.Function):
             def outputs():  # the reference formulas in the result dtype, differentiable
                 kw = dict(temperature=temperature, softcap=softcap, want_entropy=True)
                 if labels is None:
-                    return None, ref.outputs(logits, None, ignore_index=None, want_logprobs=False, **kw)
-                return ref.outputs(logits, labels, ignore_index=ignore_index, want_logprobs=True, **kw)
+                    return None, kit.reference_outputs(logits, None, ignore_index=None, want_logprobs=False, **kw)
+                return kit.reference_outputs(logits, labels, ignore_index=ignore_index, want_logprobs=True, **kw)
 
             return second_order_gradient(outputs, (logits,), (g_lp, g_ent)) + (None,) * 7
         grad = None

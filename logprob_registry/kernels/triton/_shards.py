@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from logprob_registry.dtypes import result_dtype
+from logprob_registry.kit import result_dtype
 
 from ..chunked import _shards as chunked_shards
 from ._kernels import _TL, INTERPRETED, _backward, _check_device, _geometry, _on, _row_offset, _split_temperature

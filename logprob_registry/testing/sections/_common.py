@@ -8,8 +8,9 @@ from typing import Any, Callable, List, Sequence, Tuple
 import pytest
 import torch
 
+from logprob_registry.benchmark.memory import MemoryMeasurementUnavailable, describe, peak_extra_bytes
+
 from ..harness import Harness
-from ..memory import MemoryMeasurementUnavailable, describe, peak_extra_bytes
 
 # The no-copy checks: the extra memory of a call may grow by this fraction of the growth of the
 # logits' size, between a call on few rows and one on many (a fixed workspace does not grow at all;

@@ -19,8 +19,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from logprob_registry.numerics import EPS32, tolerance, tolerances
+
 from ... import reference as ref
-from ..numerics import EPS32, tolerance, tolerances
 
 WORLD = 4
 SHAPE = (2, 3)            # leading dims of every case

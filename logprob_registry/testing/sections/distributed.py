@@ -29,10 +29,11 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
+from logprob_registry.numerics import assert_close
+
 from ..harness import Harness
-from ..numerics import assert_close
 from . import _distributed_cases as dc
-from . import covers
+from ._coverage import covers
 
 SHARD_OPS = ("shard_stats", "shard_grad", "hidden_shard_stats", "hidden_shard_grad")
 #: Seconds before a spawned group counts as hung (its processes are then killed). Generous: a
@@ -163,7 +164,7 @@ class DistributedSection:
                         for name, excess in o.excess.items():
                             if not excess <= 0:
                                 problems.append(f"{what}: gradient of {name} off by {excess:.3g} beyond the "
-                                                "contract's tolerance (logprob_registry.testing.numerics)")
+                                                "contract's tolerance (logprob_registry.numerics)")
                         hidden = o.digests.get("hidden")
                         if hidden is not None and hidden != ranks[members[0]][kind][case.name].digests["hidden"]:
                             problems.append(f"{what}: its hidden gradient differs from rank {members[0]}'s")

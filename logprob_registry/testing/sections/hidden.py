@@ -3,7 +3,7 @@ entropy) of ``hidden @ weight.T + bias`` without forming the logits.
 
 Values and the gradients of hidden, weight and bias are compared with float64 autograd of the
 reference (:func:`check_hidden`), within the tolerances derived for the fused op in
-:mod:`logprob_registry.testing.numerics` (:func:`~logprob_registry.testing.numerics.hidden_tolerances`).
+:mod:`logprob_registry.numerics` (:func:`~logprob_registry.numerics.hidden_tolerances`).
 A project can run :func:`check_hidden` on its own cases too (``tests/test_chunked_hidden.py``
 does, for chunked's tile budgets).
 """
@@ -18,9 +18,7 @@ import pytest
 import torch
 
 from logprob_registry import reference as ref
-
-from ..harness import DTYPES, Harness
-from ..numerics import (
+from logprob_registry.numerics import (
     EPS32,
     assert_close,
     gradient_rounding,
@@ -28,8 +26,10 @@ from ..numerics import (
     logits_gradient_scale,
     subnormal_spacing,
 )
-from . import covers
+
+from ..harness import DTYPES, Harness
 from ._common import MEMORY_LIMIT, autocast, growth, require_no_copy, same_strides_leaf, upstream, weighted_sum
+from ._coverage import covers
 
 OP = "logprobs_from_hidden"
 INPUTS = ("hidden", "weight", "bias")
@@ -37,6 +37,9 @@ VARIANTS = ["plain", "bias", "entropy", "temperature-ignore-index", "all-options
 SHAPES = ["1d", "empty", "strided", "3d", "vocab-1", "int32-labels-ignore-last"]
 LAYOUTS = ["shifted-hidden", "weight-column-slice", "transposed-weight", "strided-rows-weight-and-bias"]
 SPECIAL = ["masked-vocabulary", "nan", "large-magnitudes"]
+VOCAB = 97  # the weight's rows in _inputs unless a test asks for others
+VARIANT_VOCAB = 700  # those of the cases of _variant
+SHAPE_VOCAB = {"1d": 300, "empty": 300, "strided": 300, "3d": VOCAB, "vocab-1": 1, "int32-labels-ignore-last": 300}
 
 
 def check_hidden(lp: Harness, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -91,12 +94,12 @@ def check_hidden(lp: Harness, hidden: torch.Tensor, weight: torch.Tensor, bias: 
             raise AssertionError(
                 f"{what}: the gradient of {name} is off by {float((g - w).abs()[at]):.3g} at {at} (got "
                 f"{float(g[at])!r}, expected {float(w[at])!r}), more than the {float(bounds[name][at]):.3g} that "
-                "float32 arithmetic allows; the contract is float32 accuracy, see logprob_registry.testing.numerics")
+                "float32 arithmetic allows; the contract is float32 accuracy, see logprob_registry.numerics")
 
 
 def _gradient_bounds(refs: dict, labels, chosen, ups, skip, rel: float, rounding: float, options) -> dict:
     """The error allowed on each element of the gradients of hidden, weight and bias
-    (:mod:`~logprob_registry.testing.numerics`, "The fused op"): ``C = rel * (|g| + G) + rounding
+    (:mod:`~logprob_registry.numerics`, "The fused op"): ``C = rel * (|g| + G) + rounding
     * |g|`` per logit, with ``g`` the logits' exact gradient and ``G`` its error scale, summed over
     the terms of each element: ``C @ |weight|``, ``C.T @ |hidden|``, ``sum C``."""
     h, w, b = (None if refs[n] is None else refs[n].detach() for n in INPUTS)
@@ -114,7 +117,7 @@ def _gradient_bounds(refs: dict, labels, chosen, ups, skip, rel: float, rounding
     return {"hidden": (c @ w.abs()).reshape(h.shape), "weight": c.T @ h.abs().reshape(-1, w.shape[1]), "bias": c.sum(0)}
 
 
-def _inputs(lp: Harness, lead, h: int = 24, v: int = 97, dtype: torch.dtype = torch.float32, bias: bool = True,
+def _inputs(lp: Harness, lead, h: int = 24, v: int = VOCAB, dtype: torch.dtype = torch.float32, bias: bool = True,
             seed: int = 0):
     """hidden (*lead, h), weight (v, h) (logits of a few units), bias (v,) or None, labels (*lead)."""
     hidden = lp.logits(tuple(lead) + (h,), dtype, scale=2.0, seed=seed)
@@ -133,7 +136,7 @@ class HiddenSection:
     @pytest.mark.parametrize("variant", VARIANTS)
     def test_hidden_values(self, lp: Harness, variant: str, dtype: str) -> None:
         """logprobs_from_hidden against float64 ``hidden @ weight.T + bias``."""
-        lp.require(OP, DTYPES[dtype])
+        lp.require(OP, DTYPES[dtype], vocab=VARIANT_VOCAB)
         h, w, b, y, kw = _variant(lp, variant, DTYPES[dtype])
         check_hidden(lp, h, w, b, y, grads=False, what=f"{OP} {variant} {dtype}", **kw)
 
@@ -142,7 +145,7 @@ class HiddenSection:
     @pytest.mark.parametrize("variant", VARIANTS)
     def test_hidden_gradients(self, lp: Harness, variant: str, dtype: str) -> None:
         """Gradients of hidden, weight and bias against float64 autograd, every output in the loss."""
-        lp.require(OP, DTYPES[dtype], grad=True)
+        lp.require(OP, DTYPES[dtype], grad=True, vocab=VARIANT_VOCAB)
         h, w, b, y, kw = _variant(lp, variant, DTYPES[dtype])
         check_hidden(lp, h, w, b, y, what=f"{OP} {variant} {dtype}", **kw)
 
@@ -151,7 +154,7 @@ class HiddenSection:
     def test_hidden_gradient_of_one_output(self, lp: Harness, output: str) -> None:
         """Only one of the two outputs enters the loss (backward receives no gradient for the
         other): the gradients are that output's alone."""
-        lp.require(OP, torch.float32, grad=True)
+        lp.require(OP, torch.float32, grad=True, vocab=VOCAB)
         h, w, b, y = _inputs(lp, (37,))
         check_hidden(lp, h, w, b, y, used=("logprobs", "entropy").index(output), return_entropy=True,
                      ignore_index=3, what=f"{OP} with only its {output} in the loss")
@@ -160,7 +163,7 @@ class HiddenSection:
     def test_hidden_gradients_of_some_inputs(self, lp: Harness) -> None:
         """Only the weight requires a gradient: it gets the right one; under ``torch.no_grad()``
         the result has no ``grad_fn``."""
-        lp.require(OP, torch.float32, grad=True)
+        lp.require(OP, torch.float32, grad=True, vocab=VOCAB)
         h, w, b, y = _inputs(lp, (37,))
         check_hidden(lp, h, w, b, y, grad_of=("weight",), what=f"{OP} with only the weight requiring a gradient")
         weight = w.clone().requires_grad_(True)
@@ -172,8 +175,8 @@ class HiddenSection:
     @covers(OP, grad=True)
     def test_hidden_tied_embeddings(self, lp: Harness) -> None:
         """The lm_head is the embedding matrix: its gradient sums the embedding's and the head's."""
-        lp.require(OP, torch.float32, grad=True)
         v, h, n = 50, 16, 23
+        lp.require(OP, torch.float32, grad=True, vocab=v)
         table = lp.logits((v, h), scale=1.0, seed=3)
         ids = lp.labels((n,), v, seed=4)
         labels = lp.labels((n,), v, seed=5)
@@ -201,7 +204,7 @@ class HiddenSection:
         and bias (a second-order quantity, as a gradient penalty is) is that of float64 autograd of
         the reference, or backward refuses with an error; a gradient that silently lacks its
         second-order term fails."""
-        lp.require(OP, torch.float32, grad=True)
+        lp.require(OP, torch.float32, grad=True, vocab=120)
         h, w, b, y = _inputs(lp, (2, 7), v=120)
         y[0, 3] = -100
         kw = dict(temperature=0.8, ignore_index=-100, return_entropy=True)
@@ -235,7 +238,7 @@ class HiddenSection:
         weight and bias give the results and (where the backend declares autograd) gradients of
         float32 products, as without autocast, with the backward inside the autocast region and
         outside it: autocast must not turn the fused op's products into bf16 ones."""
-        lp.require(OP)
+        lp.require(OP, vocab=500)
         h, w, b, y = _inputs(lp, (3, 6), h=64, v=500)
         y[1, 1] = -100
         kw = dict(temperature=0.8, ignore_index=-100, return_entropy=True)
@@ -252,7 +255,7 @@ class HiddenSection:
     def test_hidden_shapes(self, lp: Harness, shape: str) -> None:
         """1-D hidden with a 0-d label, empty, strided and 3-D leading dims, V = 1, int32 labels
         with the last vocabulary entry as ignore_index; with and without the entropy."""
-        lp.require(OP)
+        lp.require(OP, vocab=SHAPE_VOCAB[shape])
         h, w, b, y, kw = _shape_case(lp, shape)
         for ret in (False, True):
             check_hidden(lp, h, w, b, y, grads=False, return_entropy=ret, what=f"{OP}, {shape} hidden", **kw)
@@ -262,7 +265,7 @@ class HiddenSection:
     def test_hidden_gradients_of_shapes(self, lp: Harness, shape: str) -> None:
         """The gradients of the cases of test_hidden_shapes (an empty batch: empty gradients, the
         result still connected to hidden and weight)."""
-        lp.require(OP, torch.float32, grad=True)
+        lp.require(OP, torch.float32, grad=True, vocab=SHAPE_VOCAB[shape])
         h, w, b, y, kw = _shape_case(lp, shape)
         check_hidden(lp, h, w, b, y, return_entropy=True, what=f"{OP}, {shape} hidden", **kw)
 
@@ -272,7 +275,7 @@ class HiddenSection:
         """Non-contiguous inputs, read as they are: ``hidden[:, :-1]``, a weight that is a column
         slice of a wider matrix, a weight stored transposed, and every other row of hidden with
         every third row of weight and bias (gradients too, where the backend declares autograd)."""
-        lp.require(OP)
+        lp.require(OP, vocab=len(range(0, VOCAB, 3)) if layout == "strided-rows-weight-and-bias" else VOCAB)
         h, w, b, y = _inputs(lp, (4, 10))
         kw: dict = dict(return_entropy=True)
         if layout == "shifted-hidden":
@@ -296,7 +299,7 @@ class HiddenSection:
     def test_hidden_special_values(self, lp: Harness, case: str) -> None:
         """A masked vocabulary (a bias of -inf; a label on it gives -inf), NaN in one row of hidden
         (that row alone is NaN), and logits of magnitude 1e4 (gradients too, except for NaN)."""
-        lp.require(OP)
+        lp.require(OP, vocab=VOCAB)
         h, w, b, y = _inputs(lp, (37,))
         if case == "masked-vocabulary":
             b[::7] = -math.inf
@@ -314,7 +317,7 @@ class HiddenSection:
         """hidden (N, 256) @ weight (8192, 256).T from N = 512 to 2048 rows: the call's extra peak
         memory grows by less than half as much as the float32 logits it must not form (16 to
         64 MiB). A fixed tile, however large, is allowed: only memory that grows with the rows counts."""
-        lp.require(OP)
+        lp.require(OP, vocab=8192)
         require_no_copy(lp)
         w = lp.logits((8192, 256), scale=0.05, seed=9)
 
@@ -331,7 +334,7 @@ class HiddenSection:
     # ------------------------------------------------------------- invariances
     @covers(OP, capability="deterministic")
     def test_hidden_inputs_unmodified_and_deterministic(self, lp: Harness) -> None:
-        lp.require(OP)
+        lp.require(OP, vocab=VARIANT_VOCAB)
         h, w, b, y, kw = _variant(lp, "temperature-ignore-index", torch.float32)
         before = [t.clone() for t in (h, w, b, y) if t is not None]
         first = lp.call_hidden(h, w, y, bias=b, return_entropy=True, **kw)
@@ -346,7 +349,7 @@ class HiddenSection:
         """Forward and backward leave hidden, weight, bias and labels as they were; a deterministic
         backend gives bitwise the same outputs and gradients twice; backward does not read the
         entropy tensor handed to the caller (who may overwrite it)."""
-        lp.require(OP, torch.float32, grad=True)
+        lp.require(OP, torch.float32, grad=True, vocab=VOCAB)
         h, w, b, y = _inputs(lp, (45,))
         copies = [t.clone() for t in (h, w, b, y)]
         runs = []
@@ -375,7 +378,7 @@ class HiddenSection:
     def test_hidden_batch_invariant(self, lp: Harness) -> None:
         """A row's logprob, entropy and (where the backend declares autograd) hidden gradient are
         bitwise the same alone, in a sub-batch and in the whole batch."""
-        lp.require(OP)
+        lp.require(OP, vocab=300)
         lp.require_capability("batch_invariant", "batch invariance")
         h, w, b, y = _inputs(lp, (40,), v=300)
         grads = lp.backend.autograd
@@ -399,7 +402,7 @@ class HiddenSection:
     def test_hidden_bad_input_errors(self, lp: Harness, case: str) -> None:
         """hidden, weight and bias of different dtypes, a weight whose H differs from hidden's, or a
         bias that is not (V,): a clear error before dispatch, naming both."""
-        lp.require(OP)
+        lp.require(OP, vocab=VOCAB)
         h, w, b, y = _inputs(lp, (5,))
         if case == "mixed-dtypes":
             with pytest.raises(TypeError, match="hidden is torch.bfloat16 but weight is torch.float32"):
@@ -419,10 +422,10 @@ class HiddenSection:
 def _variant(lp: Harness, variant: str, dtype: torch.dtype):
     """The cases of test_hidden_values and test_hidden_gradients: (hidden, weight, bias, labels, options)."""
     h = lp.logits((2, 5, 48), dtype, scale=1.0, seed=8)
-    w = lp.logits((700, 48), dtype, scale=0.4, seed=9)
+    w = lp.logits((VARIANT_VOCAB, 48), dtype, scale=0.4, seed=9)
     with_bias = variant in ("bias", "all-options", "in-range-ignore-index")
-    b = lp.logits((700,), dtype, scale=0.5, seed=10) if with_bias else None
-    y = lp.labels((2, 5), 700)
+    b = lp.logits((VARIANT_VOCAB,), dtype, scale=0.5, seed=10) if with_bias else None
+    y = lp.labels((2, 5), VARIANT_VOCAB)
     kw: dict = {}
     if variant in ("entropy", "all-options"):
         kw["return_entropy"] = True
@@ -437,21 +440,19 @@ def _variant(lp: Harness, variant: str, dtype: torch.dtype):
 
 def _shape_case(lp: Harness, shape: str):
     """The cases of test_hidden_shapes: (hidden, weight, bias, labels, options)."""
+    v = SHAPE_VOCAB[shape]
     if shape in ("1d", "empty", "strided"):
-        w = lp.logits((300, 32), scale=0.3, seed=7)
+        w = lp.logits((v, 32), scale=0.3, seed=7)
         if shape == "1d":
-            h, y = lp.logits((32,), seed=8), lp.labels((), 300)
+            h, y = lp.logits((32,), seed=8), lp.labels((), v)
         elif shape == "empty":
-            h, y = lp.logits((0, 32), seed=8), lp.labels((0,), 300)
+            h, y = lp.logits((0, 32), seed=8), lp.labels((0,), v)
         else:
-            h, y = lp.logits((3, 6, 32), seed=8)[:, :-1], lp.labels((3, 6), 300)[:, 1:]
+            h, y = lp.logits((3, 6, 32), seed=8)[:, :-1], lp.labels((3, 6), v)[:, 1:]
         return h, w, None, y, {}
-    if shape == "3d":
-        h, w, b, y = _inputs(lp, (3, 4))
+    if shape in ("3d", "vocab-1"):
+        h, w, b, y = _inputs(lp, (3, 4) if shape == "3d" else (37,), v=v)
         return h, w, b, y, {}
-    if shape == "vocab-1":
-        h, w, b, y = _inputs(lp, (37,), v=1)
-        return h, w, b, y, {}
-    h, w, b, y = _inputs(lp, (20,), v=300)
-    y[::4] = 299
-    return h, w, b, y.int(), dict(ignore_index=299)
+    h, w, b, y = _inputs(lp, (20,), v=v)
+    y[::4] = v - 1
+    return h, w, b, y.int(), dict(ignore_index=v - 1)

@@ -2,7 +2,7 @@
 ``logprobs_and_entropy`` (the ops of the op table whose dtype input is the logits).
 
 Every test calls the backend through the public function with ``backend=NAME`` and compares with
-the float64 reference within the tolerance of :mod:`logprob_registry.testing.numerics`; each
+the float64 reference within the tolerance of :mod:`logprob_registry.numerics`; each
 declares with :func:`~logprob_registry.testing.sections.covers` the ops it exercises and the
 capability whose promise it checks.
 """
@@ -16,10 +16,11 @@ from typing import Optional, Sequence
 import pytest
 import torch
 
+from logprob_registry.numerics import EPS32, assert_close, gradient_rounding, tolerances
+
 from ..harness import DTYPES, LABEL_OPS, LOGITS_OPS, Harness
-from ..numerics import EPS32, assert_close, gradient_rounding, tolerances
-from . import covers
 from ._common import MEMORY_LIMIT, autocast, growth, require_no_copy, upstream, weighted_sum
+from ._coverage import covers
 
 SHAPES = {
     "1d": (1000,),
@@ -58,8 +59,8 @@ class LogitsSection:
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_shapes(self, lp: Harness, op: str, shape: str) -> None:
         """1-D logits with a 0-d label, 2-D to 4-D, empty leading dims, V of 1, odd V."""
-        lp.require(op)
         dims = SHAPES[shape]
+        lp.require(op, vocab=dims[-1])
         x = lp.logits(dims)
         y = lp.labels(dims[:-1], dims[-1])
         got, want = lp.call(op, x, y), lp.reference(op, x, y)
@@ -73,7 +74,7 @@ class LogitsSection:
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_large_vocab(self, lp: Harness, op: str, dtype: str) -> None:
         """V = 262144 (a few rows, so that the CPU run stays quick)."""
-        lp.require(op, DTYPES[dtype])
+        lp.require(op, DTYPES[dtype], vocab=LARGE_VOCAB)
         x = lp.logits((3, LARGE_VOCAB), DTYPES[dtype], scale=4.0)
         y = lp.labels((3,), LARGE_VOCAB)
         for i, (g, w, tol) in enumerate(zip(lp.call(op, x, y), lp.reference(op, x, y), tolerances(op, x))):
@@ -85,7 +86,7 @@ class LogitsSection:
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_dtypes(self, lp: Harness, op: str, dtype: str) -> None:
         """Each input dtype against float64, within fp32 rounding; float32 out (float64 for float64)."""
-        lp.require(op, DTYPES[dtype])
+        lp.require(op, DTYPES[dtype], vocab=1000)
         x = lp.logits((3, 5, 1000), DTYPES[dtype], scale=4.0)
         y = lp.labels((3, 5), 1000)
         expected_dtype = lp.result_dtype(DTYPES[dtype])
@@ -98,7 +99,7 @@ class LogitsSection:
     @pytest.mark.parametrize("label_dtype", ["int32", "int64"])
     @pytest.mark.parametrize("op", LABEL_OPS)
     def test_label_dtypes(self, lp: Harness, op: str, label_dtype: str) -> None:
-        lp.require(op)
+        lp.require(op, vocab=777)
         x = lp.logits((4, 6, 777))
         y = lp.labels((4, 6), 777, dtype=getattr(torch, label_dtype))
         for i, (g, w, tol) in enumerate(zip(lp.call(op, x, y), lp.reference(op, x, y), tolerances(op, x))):
@@ -111,7 +112,7 @@ class LogitsSection:
     def test_strided_leading_dims(self, lp: Harness, op: str, layout: str) -> None:
         """Non-contiguous leading dims: logits[:, :-1] with labels[:, 1:], transposed, every other
         row, and a broadcast (stride 0) batch."""
-        lp.require(op)
+        lp.require(op, vocab=640)
         x, y = _strided(lp.logits((3, 9, 640)), lp.labels((3, 9), 640), layout)
         assert not x.is_contiguous()
         for i, (g, w, tol) in enumerate(zip(lp.call(op, x, y), lp.reference(op, x, y), tolerances(op, x))):
@@ -125,7 +126,7 @@ class LogitsSection:
         much as the logits do, for bf16 without and fp32 with a temperature (one dtype for both
         where the backend accepts only one). A fixed workspace, however large, is allowed: only
         memory that grows with the rows counts."""
-        lp.require(op)
+        lp.require(op, vocab=MEMORY_SHAPE[2])
         require_no_copy(lp)
         accepted = [d for d in (torch.bfloat16, torch.float32) if d in lp.backend.dtypes]
         if not accepted:
@@ -150,7 +151,7 @@ class LogitsSection:
         """What the forward pass keeps for backward (strided fp32 logits needing gradients, 128 to
         512 rows of 32768) grows by less than half as much as the logits do: backward keeps no
         N x V tensor besides the logits."""
-        lp.require(op, torch.float32, grad=True)
+        lp.require(op, torch.float32, grad=True, vocab=MEMORY_SHAPE[2])
         require_no_copy(lp)
 
         def case(rows: int):
@@ -170,7 +171,7 @@ class LogitsSection:
     @pytest.mark.parametrize("temperature", [0.5, 2.0, 0.05])
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_temperature(self, lp: Harness, op: str, temperature: float) -> None:
-        lp.require(op)
+        lp.require(op, vocab=900)
         x = lp.logits((4, 5, 900))
         y = lp.labels((4, 5), 900)
         got = lp.call(op, x, y, temperature=temperature)
@@ -184,8 +185,8 @@ class LogitsSection:
     def test_ignore_index(self, lp: Harness, op: str, case: str) -> None:
         """Ignored positions give exactly 0 and their label is never read as an index (it may lie
         outside the vocabulary); the entropy there is computed as usual."""
-        lp.require(op)
         vocab = 500
+        lp.require(op, vocab=vocab)
         ignore = IGNORE[case] if IGNORE[case] is not None else vocab + 5
         x = lp.logits((3, 8, vocab))
         y = lp.labels((3, 8), vocab).clamp(min=1)
@@ -206,7 +207,7 @@ class LogitsSection:
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_extreme_magnitudes(self, lp: Harness, op: str, dtype: str) -> None:
         """Logits of +-1e4 next to ordinary ones: no overflow, no loss beyond fp32 rounding of 1e4."""
-        lp.require(op, DTYPES[dtype])
+        lp.require(op, DTYPES[dtype], vocab=300)
         x = lp.logits((6, 300), torch.float64)
         x[0, 7] = 1e4
         x[1, :] -= 1e4
@@ -226,7 +227,7 @@ class LogitsSection:
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_negative_infinity(self, lp: Harness, op: str) -> None:
         """Masked vocabulary (-inf): a label on -inf gives -inf, entropy counts 0 * log 0 as 0."""
-        lp.require(op)
+        lp.require(op, vocab=64)
         for dtype in (torch.float32, torch.bfloat16):
             if dtype not in lp.backend.dtypes:
                 continue
@@ -254,7 +255,7 @@ class LogitsSection:
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_nan_propagates(self, lp: Harness, op: str) -> None:
         """A NaN logit makes its own row NaN and no other."""
-        lp.require(op)
+        lp.require(op, vocab=100)
         x = lp.logits((4, 100))
         y = lp.labels((4,), 100)
         y[0], y[1] = 3, 4
@@ -274,7 +275,7 @@ class LogitsSection:
     def test_gradients(self, lp: Harness, op: str, case: str, dtype: str) -> None:
         """Gradients of the logits against float64 autograd, with random upstream gradients on every
         output (both outputs of logprobs_and_entropy); zero at ignored positions."""
-        lp.require(op, DTYPES[dtype], grad=True)
+        lp.require(op, DTYPES[dtype], grad=True, vocab=300)
         temperature = 0.6 if case == "temperature" else 1.0
         ignore = -100 if case == "ignore-index" and op != "entropy" else None
         x0 = lp.logits((3, 5, 300), DTYPES[dtype])
@@ -299,7 +300,7 @@ class LogitsSection:
         """Only one output of ``logprobs_and_entropy`` enters the loss (backward receives no
         gradient for the other): the gradient is that output's alone."""
         op = "logprobs_and_entropy"
-        lp.require(op, torch.float32, grad=True)
+        lp.require(op, torch.float32, grad=True, vocab=300)
         x0 = lp.logits((3, 5, 300))
         y = lp.labels((3, 5), 300)
         mask = torch.zeros(3, 5, dtype=torch.bool, device=lp.device)
@@ -315,8 +316,8 @@ class LogitsSection:
         """Gradients of 1-D logits with a 0-d label, of empty leading dims (an empty gradient: the
         result is still connected to the logits, so that a training step's backward runs), of
         V = 1 (a zero gradient) and of an odd V."""
-        lp.require(op, torch.float32, grad=True)
         dims = SHAPES[shape]
+        lp.require(op, torch.float32, grad=True, vocab=dims[-1])
         x0 = lp.logits(dims)
         y = lp.labels(dims[:-1], dims[-1])
         mask = torch.zeros(dims[:-1], dtype=torch.bool, device=lp.device)
@@ -328,7 +329,7 @@ class LogitsSection:
     def test_gradients_strided(self, lp: Harness, op: str, layout: str) -> None:
         """Gradients through the layouts of test_strided_leading_dims (out of place): the logits
         are a view of a leaf, whose gradient autograd assembles (summed over a broadcast batch)."""
-        lp.require(op, torch.float32, grad=True)
+        lp.require(op, torch.float32, grad=True, vocab=640)
         full = lp.logits((3, 9, 640))
         labels = lp.labels((3, 9), 640)
         labels[1, 2] = -100
@@ -352,7 +353,7 @@ class LogitsSection:
     def test_inplace_backward(self, lp: Harness, op: str) -> None:
         """``inplace_backward=True``: the gradient is right; a backend that declares
         ``inplace_backward`` writes it into the logits' storage, any other honours the flag out of place."""
-        lp.require(op, torch.float32, grad=True)
+        lp.require(op, torch.float32, grad=True, vocab=400)
         base = lp.logits((3, 6, 400)).requires_grad_(True)
         y = lp.labels((3, 6), 400)
         y[1, 2] = -100
@@ -381,7 +382,7 @@ class LogitsSection:
         ``inplace_backward`` writes the gradient through the view's strides. On a ``broadcast``
         batch (stride 0: one row's memory stands for several rows, so no gradient fits in it) the
         flag is honoured out of place: the gradient, summed over the copies, is right."""
-        lp.require(op, torch.float32, grad=True)
+        lp.require(op, torch.float32, grad=True, vocab=450)
         base = lp.logits((3, 8, 450))
         y = lp.labels((3, 8), 450)[:, 1:]
         kw = dict(temperature=0.8, ignore_index=-100)
@@ -425,7 +426,7 @@ class LogitsSection:
         gradient that silently lacks its second-order term (a backward that ignores grad mode, as
         ``once_differentiable`` does when the upstream gradient needs none): the loss also has a
         term of its own, as a training loss would, so a missing term shows as a wrong product."""
-        lp.require(op, torch.float32, grad=True)
+        lp.require(op, torch.float32, grad=True, vocab=300)
         x0 = lp.logits((3, 5, 300))
         y = lp.labels((3, 5), 300)
         y[1, 2] = -100
@@ -460,7 +461,7 @@ class LogitsSection:
         """Under ``torch.autocast`` (bf16, or fp16 where the device lacks bf16) the float32 logits'
         results and, where the backend declares autograd, gradients are those without autocast,
         within the contract: with the backward inside the autocast region and outside it."""
-        lp.require(op)
+        lp.require(op, vocab=700)
         x0 = lp.logits((3, 5, 700))
         y = lp.labels((3, 5), 700)
         y[0, 1] = -100
@@ -492,7 +493,7 @@ class LogitsSection:
     def test_deterministic(self, lp: Harness, op: str) -> None:
         """Same inputs, same backend: bitwise the same results and gradients (float32, and bfloat16
         where the backend accepts it)."""
-        lp.require(op)
+        lp.require(op, vocab=3000)
         lp.require_capability("deterministic", "bitwise reproducibility")
         for dtype in _accepted(lp, (torch.float32, torch.bfloat16)):
             x = lp.logits((4, 9, 3000), dtype)
@@ -516,7 +517,7 @@ class LogitsSection:
     def test_batch_invariant(self, lp: Harness, op: str) -> None:
         """A row's result is bitwise the same alone, in a sub-batch, in the whole batch and under
         another leading shape."""
-        lp.require(op)
+        lp.require(op, vocab=2000)
         lp.require_capability("batch_invariant", "batch invariance")
         x = lp.logits((12, 2000))
         y = lp.labels((12,), 2000)
@@ -533,7 +534,7 @@ class LogitsSection:
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_batch_invariant_gradients(self, lp: Harness, op: str) -> None:
         """A row's gradient is bitwise the same alone, in a sub-batch and in the whole batch."""
-        lp.require(op, torch.float32, grad=True)
+        lp.require(op, torch.float32, grad=True, vocab=50257)
         lp.require_capability("batch_invariant", "batch invariance")
         x = lp.logits((7, 50257), scale=4.0)
         y = lp.labels((7,), 50257)
@@ -554,7 +555,7 @@ class LogitsSection:
     def test_inputs_unmodified(self, lp: Harness, op: str) -> None:
         """Forward and backward (without inplace_backward) leave logits and labels as they were
         (float32, and bfloat16 where the backend accepts it)."""
-        lp.require(op)
+        lp.require(op, vocab=500)
         for dtype in _accepted(lp, (torch.float32, torch.bfloat16)):
             base = lp.logits((3, 7, 500), dtype)
             y = lp.labels((3, 7), 500)
@@ -580,7 +581,7 @@ class LogitsSection:
         """A backend that declares the ``functorch`` feature works inside ``torch.func``: the
         gradient from ``torch.func.grad`` against float64 autograd, and ``torch.func.vmap`` over
         the batch against the batched call."""
-        lp.require(op, torch.float32, grad=True, features=("functorch",))
+        lp.require(op, torch.float32, grad=True, features=("functorch",), vocab=200)
         x = lp.logits((4, 5, 200))
         y = lp.labels((4, 5), 200)
         y[1, 2] = -100
@@ -606,7 +607,7 @@ class LogitsSection:
     def test_bad_input_errors(self, lp: Harness, case: str) -> None:
         """Bad input raises a clear error before dispatch, naming what is wrong."""
         op = lp.first_op(LABEL_OPS if case != "integer-logits" and case != "non-positive-temperature" else LOGITS_OPS)
-        lp.require(op)
+        lp.require(op, vocab=50)
         x = lp.logits((2, 5, 50))
         y = lp.labels((2, 5), 50)
         if case == "label-out-of-range":

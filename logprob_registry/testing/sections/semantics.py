@@ -5,24 +5,23 @@
 Each test declares the features it exercises; a backend that does not declare one of them has the
 test deselected (or skipped, naming the feature). Values are compared with the float64 reference
 (:mod:`logprob_registry.reference`) within the float32 tolerance of
-:mod:`logprob_registry.testing.numerics`; the kept set must be the reference's exactly (infinities
+:mod:`logprob_registry.numerics`; the kept set must be the reference's exactly (infinities
 in the same places): it is vLLM's float32 decision, which a backend replays op for op.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Tuple
+from typing import Optional
 
 import pytest
 import torch
 
 from logprob_registry import reference as ref
-from logprob_registry.registry import Key, get_registry
+from logprob_registry.numerics import EPS32, assert_close, tolerances
 
 from ..harness import LABEL_OPS, LOGITS_OPS, Harness
-from ..numerics import EPS32, assert_close, tolerances
-from . import covers
+from ._coverage import covers
 
 TRUNCATION = ("top_k", "top_p", "min_p", "keep")
 SAMPLER = ("softcap",) + TRUNCATION
@@ -30,20 +29,12 @@ HIDDEN = "logprobs_from_hidden"
 TOPK = "topk_logprobs"
 V = 500
 SHAPE = (3, 5, V)
+HIDDEN_VOCAB = 700  # the weight's rows in _hidden_inputs
 TEMPERATURE = 0.8
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _require(lp: Harness, op: str, features: Iterable[str] = (), dtype: torch.dtype = torch.float32,
-             grad: bool = False) -> None:
-    """Skip, with the registry's reason, unless the backend runs ``op`` with these features here."""
-    key = Key(op, lp.device.type, dtype, grad, frozenset(features))
-    verdict = next(v for v in get_registry().verdicts(key) if v.name == lp.name)
-    if verdict.reason is not None:
-        pytest.skip(f"{lp.name}: {verdict.reason}")
-
-
 def _labels(lp: Harness, x: torch.Tensor, candidates: int = 0, seed: int = 1) -> torch.Tensor:
     """Random labels, every other position on the row's most probable token (kept by any
     truncation), so that both kept and dropped labels are checked; ``candidates``: ``(..., K)``."""
@@ -69,26 +60,10 @@ def _keep(lp: Harness, form: str, shape=SHAPE, seed: int = 4) -> torch.Tensor:
     return keep.to(lp.device)
 
 
-def _reference(op: str, x: torch.Tensor, y: Optional[torch.Tensor], **kw) -> Tuple[torch.Tensor, ...]:
-    """The float64 reference of ``op`` on the CPU (gradients flow through ``x``)."""
-    kw = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-    x, y = x.cpu(), None if y is None else y.cpu()
-    if op == "entropy":
-        kw.pop("ignore_index", None)
-        return (ref.entropy(x, **kw),)
-    if op == "logprobs":
-        return (ref.logprobs(x, y, **kw),)
-    if op == TOPK:
-        k = kw.pop("k")
-        kw.pop("ignore_index", None)
-        return tuple(ref.topk_logprobs(x, k, **kw))
-    return tuple(ref.logprobs_and_entropy(x, y, **kw))
-
-
 def _compare(lp: Harness, op: str, x: torch.Tensor, y: Optional[torch.Tensor], what: str, **kw) -> tuple:
     """Call ``op`` on the backend and check every output against the reference; returns the outputs."""
     got = lp.call(op, x, y, **kw)
-    want = _reference(op, x, y, **kw)
+    want = lp.reference(op, x, y, **kw)
     temperature = kw.get("temperature", 1.0)
     if op == TOPK:  # values within the tolerance of a logprob; the ids are checked by the caller
         got, want, tols = got[:1], want[:1], tolerances("logprobs", x, temperature)
@@ -114,7 +89,7 @@ def _compare_gradients(lp: Harness, op: str, x0: torch.Tensor, y: Optional[torch
     ups = _upstream(outs)
     torch.autograd.backward(outs, [u.to(o.device, o.dtype) for o, u in zip(outs, ups)])
     ref_x = x0.detach().cpu().double().requires_grad_(True)
-    refs = [r for r in _reference(op, ref_x, y, **kw) if r.is_floating_point()]
+    refs = [r for r in lp.reference(op, ref_x, y, **kw) if r.is_floating_point()]
     torch.autograd.backward(refs, ups)
     assert leaf.grad is not None, f"{what}: no gradient reached the logits"
     temperature = kw.get("temperature", 1.0)
@@ -130,7 +105,7 @@ def _exact(shape, denominator: int, seed: int, limit: int = 8) -> torch.Tensor:
     return torch.randint(-limit, limit + 1, tuple(shape), generator=g).double() / denominator
 
 
-def _hidden_inputs(lp: Harness, dtype: torch.dtype = torch.float32, vocab: int = 700):
+def _hidden_inputs(lp: Harness, dtype: torch.dtype = torch.float32, vocab: int = HIDDEN_VOCAB):
     # logits of 14 or so significant bits (multiples of 1/4096 of magnitude ~2): fp16 and bf16 round them
     h = _exact((2, 5, 48), 16, 8, limit=64).to(dtype).to(lp.device)
     w = _exact((vocab, 48), 256, 9, limit=64).to(dtype).to(lp.device)
@@ -153,7 +128,7 @@ def _check_hidden(lp: Harness, what: str, y: torch.Tensor, grad: bool, dtype=tor
     got = lp.call_hidden(leaves[0], leaves[1], y, bias=leaves[2], return_entropy=True, **kw)
     refs = [t.detach().cpu().double().requires_grad_(grad) for t in leaves]
     rkw = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-    want = ref.logprobs_from_hidden(refs[0], refs[1], y.cpu(), bias=refs[2], return_entropy=True, **rkw)
+    want = lp.reference_hidden(refs[0], refs[1], y, bias=refs[2], return_entropy=True, **kw)
     tol = _hidden_tolerance(h0, w0, b0, kw.get("temperature", 1.0))
     for i, (g, r) in enumerate(zip(got, want)):
         assert_close(g, r, tol * ((1 + math.log(w0.shape[0])) if i else 1), f"{what}: output {i}")
@@ -188,7 +163,7 @@ class SemanticsSection:
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_softcap(self, lp: Harness, op: str, dtype: str) -> None:
         """``softcap * tanh(z / softcap)`` before the temperature; a -inf logit stays -inf."""
-        _require(lp, op, ("softcap",), DTYPES[dtype])
+        lp.require(op, DTYPES[dtype], features=("softcap",), vocab=V)
         x = lp.logits(SHAPE, DTYPES[dtype], scale=8.0)
         x[0, 0, :7] = -math.inf
         y = _labels(lp, x)
@@ -200,7 +175,7 @@ class SemanticsSection:
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_top_k(self, lp: Harness, op: str, dtype: str) -> None:
         """The k largest, and every logit tied with the k-th (ties made certain in one row)."""
-        _require(lp, op, ("top_k",), DTYPES[dtype])
+        lp.require(op, DTYPES[dtype], features=("top_k",), vocab=V)
         x = lp.logits(SHAPE, DTYPES[dtype])
         x[1, 2, :12] = 7.0  # 12 tokens tied at the top: top_k=10 keeps all 12
         y = _labels(lp, x)
@@ -214,7 +189,7 @@ class SemanticsSection:
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_top_p(self, lp: Harness, op: str, dtype: str) -> None:
         """The smallest most-probable set of mass >= top_p, by vLLM's float32 cumulative sum."""
-        _require(lp, op, ("top_p",), DTYPES[dtype])
+        lp.require(op, DTYPES[dtype], features=("top_p",), vocab=V)
         x = lp.logits(SHAPE, DTYPES[dtype])
         y = _labels(lp, x)
         for p in (0.3, 0.9):
@@ -225,7 +200,7 @@ class SemanticsSection:
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_min_p(self, lp: Harness, op: str, dtype: str) -> None:
         """Tokens less probable than min_p times the most probable one are dropped (strictly less)."""
-        _require(lp, op, ("min_p",), DTYPES[dtype])
+        lp.require(op, DTYPES[dtype], features=("min_p",), vocab=V)
         x = lp.logits(SHAPE, DTYPES[dtype])
         y = _labels(lp, x)
         _compare(lp, op, x, y, f"min_p=0.05, {dtype}", min_p=0.05, temperature=TEMPERATURE)
@@ -235,7 +210,7 @@ class SemanticsSection:
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_keep(self, lp: Harness, op: str, form: str) -> None:
         """``keep`` as a bool mask (..., V) or as ids (..., K) padded with -1; both forms agree."""
-        _require(lp, op, ("keep",))
+        lp.require(op, features=("keep",), vocab=V)
         x = lp.logits(SHAPE)
         keep = _keep(lp, form)
         y = _labels(lp, x)
@@ -251,7 +226,7 @@ class SemanticsSection:
     def test_sampler_combined(self, lp: Harness, op: str, dtype: str) -> None:
         """softcap, temperature, min_p, top_k, top_p and keep in one call, in the sampler's order
         (top_p on the distribution renormalised after min_p and top_k)."""
-        _require(lp, op, SAMPLER, DTYPES[dtype])
+        lp.require(op, DTYPES[dtype], features=SAMPLER, vocab=V)
         x = lp.logits(SHAPE, DTYPES[dtype], scale=4.0)
         y = _labels(lp, x)
         kw = dict(softcap=6.0, min_p=0.01, top_k=40, top_p=0.85, keep=_keep(lp, "mask"), temperature=0.7)
@@ -261,7 +236,7 @@ class SemanticsSection:
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_truncation_large_vocab(self, lp: Harness, op: str) -> None:
         """V = 262144, bf16 (many ties), two rows: top_p over the whole vocabulary."""
-        _require(lp, op, ("top_k", "top_p", "min_p"), torch.bfloat16)
+        lp.require(op, torch.bfloat16, features=("top_k", "top_p", "min_p"), vocab=262144)
         x = lp.logits((2, 262144), torch.bfloat16, scale=4.0)
         y = _labels(lp, x)
         _compare(lp, op, x, y, "V=262144, top_p=0.95", top_p=0.95)
@@ -273,7 +248,7 @@ class SemanticsSection:
     def test_label_outside_kept_set(self, lp: Harness, op: str) -> None:
         """A label outside the kept set (or on a -inf logit) gives -inf, never NaN; a row where
         nothing is kept gives -inf for every label and an entropy of 0."""
-        _require(lp, op, ("top_k", "keep"))
+        lp.require(op, features=("top_k", "keep"), vocab=64)
         x = lp.logits((4, 64))
         x[3, 5] = -math.inf
         y = x.argmin(-1)  # never among the top 3
@@ -289,7 +264,7 @@ class SemanticsSection:
     @pytest.mark.parametrize("op", LABEL_OPS)
     def test_label_outside_kept_set_gradient(self, lp: Harness, op: str) -> None:
         """... and a zero gradient: the -inf of a dropped label does not depend on the logits."""
-        _require(lp, op, ("top_k", "keep"), grad=True)
+        lp.require(op, grad=True, features=("top_k", "keep"), vocab=64)
         x = lp.logits((4, 64)).requires_grad_(True)
         y = x.detach().argmin(-1)
         keep = torch.ones(4, 64, dtype=torch.bool, device=lp.device)
@@ -304,7 +279,7 @@ class SemanticsSection:
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_softcap_gradients(self, lp: Harness, op: str) -> None:
         """Through the softcap: ``(1 - tanh(z / cap)**2) / T``."""
-        _require(lp, op, ("softcap",), grad=True)
+        lp.require(op, grad=True, features=("softcap",), vocab=300)
         x = lp.logits((3, 5, 300), scale=6.0)
         _compare_gradients(lp, op, x, _labels(lp, x), "softcap", softcap=4.0, temperature=TEMPERATURE)
 
@@ -313,7 +288,7 @@ class SemanticsSection:
     def test_truncation_gradients(self, lp: Harness, op: str) -> None:
         """Through the softmax over the kept tokens (the kept set a constant), every keyword at once;
         a dropped label's upstream gradient goes nowhere."""
-        _require(lp, op, SAMPLER, grad=True)
+        lp.require(op, grad=True, features=SAMPLER, vocab=V)
         x = lp.logits(SHAPE, scale=4.0)
         kw = dict(softcap=6.0, min_p=0.01, top_k=40, top_p=0.85, keep=_keep(lp, "ids"), temperature=0.7)
         _compare_gradients(lp, op, x, _labels(lp, x), "every keyword", **kw)
@@ -322,7 +297,7 @@ class SemanticsSection:
     @pytest.mark.parametrize("op", LOGITS_OPS)
     def test_truncation_nan(self, lp: Harness, op: str) -> None:
         """A NaN logit makes its own row NaN (every output) and no other."""
-        _require(lp, op, ("top_p",))
+        lp.require(op, features=("top_p",), vocab=100)
         x = lp.logits((3, 100))
         x[0, 7] = math.nan
         y = _labels(lp, x)
@@ -337,7 +312,7 @@ class SemanticsSection:
     def test_candidates(self, lp: Harness, op: str) -> None:
         """Labels (..., K) give (..., K) in one call, each as its own single-label call; ignore_index
         per candidate (0 there)."""
-        _require(lp, op, ("candidates",))
+        lp.require(op, features=("candidates",), vocab=V)
         x = lp.logits(SHAPE)
         y = _labels(lp, x, candidates=4)
         y[0, 1, 2] = y[2, 0, 0] = -100
@@ -352,7 +327,7 @@ class SemanticsSection:
     @covers(LABEL_OPS, grad=True, features=("candidates",))
     @pytest.mark.parametrize("op", LABEL_OPS)
     def test_candidates_gradients(self, lp: Harness, op: str) -> None:
-        _require(lp, op, ("candidates",), grad=True)
+        lp.require(op, grad=True, features=("candidates",), vocab=300)
         x = lp.logits((3, 5, 300))
         y = _labels(lp, x, candidates=3)
         y[1, 1, 1] = -100
@@ -362,7 +337,7 @@ class SemanticsSection:
     @pytest.mark.parametrize("op", LABEL_OPS)
     def test_candidates_truncated(self, lp: Harness, op: str) -> None:
         """Candidates with the sampler's processing: each one -inf outside the kept set."""
-        _require(lp, op, ("candidates", "top_p", "softcap"))
+        lp.require(op, features=("candidates", "top_p", "softcap"), vocab=V)
         x = lp.logits(SHAPE)
         _compare(lp, op, x, _labels(lp, x, candidates=5), "5 candidates, top_p", top_p=0.7, softcap=5.0)
 
@@ -373,28 +348,28 @@ class SemanticsSection:
         """The k largest logprobs and their ids, largest first, ties by smaller id (integer logits:
         many exact ties)."""
         dt = getattr(torch, dtype)
-        _require(lp, TOPK, (), dt)
+        lp.require(TOPK, dt, vocab=200)
         g = torch.Generator().manual_seed(2)
         x = torch.randint(-4, 5, (3, 4, 200), generator=g).to(dt).to(lp.device)
         values, ids = _compare(lp, TOPK, x, None, f"k=7, {dtype}", k=7, temperature=TEMPERATURE)
-        _, want = ref.topk_logprobs(x.cpu(), 7, temperature=TEMPERATURE)
+        _, want = lp.reference(TOPK, x, k=7, temperature=TEMPERATURE)
         assert ids.dtype == torch.int64, f"ids are {ids.dtype}, expected int64"
         assert torch.equal(ids.cpu(), want), "topk ids differ from the reference (largest first, ties by smaller id)"
 
     @covers(TOPK, features=("top_k", "top_p"))
     def test_topk_logprobs_truncated(self, lp: Harness) -> None:
         """Fewer than k tokens kept: the rest are -inf, at the smallest ids not listed."""
-        _require(lp, TOPK, ("top_k", "top_p"))
+        lp.require(TOPK, features=("top_k", "top_p"), vocab=200)
         x = lp.logits((3, 4, 200))
         values, ids = _compare(lp, TOPK, x, None, "k=8, top_k=5", k=8, top_k=5)
-        _, want = ref.topk_logprobs(x.cpu(), 8, top_k=5)
+        _, want = lp.reference(TOPK, x, k=8, top_k=5)
         assert torch.equal(ids.cpu(), want), "topk ids differ from the reference"
         assert bool((values[..., 5:] == -math.inf).all()), "positions beyond the kept tokens are not -inf"
         _compare(lp, TOPK, x, None, "k=8, top_p=0.6", k=8, top_p=0.6)
 
     @covers(TOPK, grad=True)
     def test_topk_logprobs_gradients(self, lp: Harness) -> None:
-        _require(lp, TOPK, (), grad=True)
+        lp.require(TOPK, grad=True, vocab=300)
         x = lp.logits((3, 4, 300))
         _compare_gradients(lp, TOPK, x, None, "topk k=6", k=6, temperature=TEMPERATURE)
 
@@ -404,7 +379,7 @@ class SemanticsSection:
     def test_disabled_keywords_change_nothing(self, lp: Harness, op: str) -> None:
         """The keywords at values that keep every token (None, top_k 0, -1 or V, top_p 1, min_p 0,
         logits_dtype None) give bitwise the result of a call without them."""
-        _require(lp, op)
+        lp.require(op, vocab=V)
         off = [dict(softcap=None, top_k=None, top_p=None, min_p=None, keep=None), dict(top_k=0), dict(top_k=-1),
                dict(top_k=V), dict(top_p=1.0), dict(min_p=0.0)]
         if op == HIDDEN:
@@ -427,7 +402,7 @@ class SemanticsSection:
     @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
     def test_fused_sampler(self, lp: Harness, dtype: str) -> None:
         """logprobs_from_hidden with every sampler keyword, against the float64 reference."""
-        _require(lp, HIDDEN, SAMPLER, DTYPES[dtype])
+        lp.require(HIDDEN, DTYPES[dtype], features=SAMPLER, vocab=HIDDEN_VOCAB)
         h, w, b = _hidden_inputs(lp)
         y = _labels(lp, (h.double() @ w.double().T))
         kw = dict(softcap=3.0, min_p=0.02, top_k=60, top_p=0.9, keep=_keep(lp, "ids", (2, 5, 700)), temperature=0.7)
@@ -435,7 +410,7 @@ class SemanticsSection:
 
     @covers(HIDDEN, grad=True, features=SAMPLER)
     def test_fused_sampler_gradients(self, lp: Harness) -> None:
-        _require(lp, HIDDEN, SAMPLER, grad=True)
+        lp.require(HIDDEN, grad=True, features=SAMPLER, vocab=HIDDEN_VOCAB)
         h, w, b = _hidden_inputs(lp)
         y = _labels(lp, (h.double() @ w.double().T))
         kw = dict(softcap=3.0, min_p=0.02, top_k=60, top_p=0.9, keep=_keep(lp, "mask", (2, 5, 700)), temperature=0.7)
@@ -446,7 +421,7 @@ class SemanticsSection:
     def test_fused_logits_dtype(self, lp: Harness, logits_dtype: str) -> None:
         """Each logit rounded to bf16/fp16 before the softmax (inputs whose products are exact, so
         that the rounding is the same from any matmul); values differ from exact fp32 products."""
-        _require(lp, HIDDEN, ("logits_dtype",))
+        lp.require(HIDDEN, features=("logits_dtype",), vocab=HIDDEN_VOCAB)
         ld = getattr(torch, logits_dtype)
         h, w, b = _hidden_inputs(lp)
         y = _labels(lp, (h.double() @ w.double().T))
@@ -458,7 +433,7 @@ class SemanticsSection:
     @covers(HIDDEN, grad=True, features=("logits_dtype",))
     def test_fused_logits_dtype_gradients(self, lp: Harness) -> None:
         """The gradient goes straight through the rounding."""
-        _require(lp, HIDDEN, ("logits_dtype",), grad=True)
+        lp.require(HIDDEN, grad=True, features=("logits_dtype",), vocab=HIDDEN_VOCAB)
         h, w, b = _hidden_inputs(lp)
         y = _labels(lp, (h.double() @ w.double().T))
         _check_hidden(lp, "logits_dtype=bfloat16 gradients", y, True, logits_dtype=torch.bfloat16)
@@ -470,7 +445,7 @@ class SemanticsSection:
         ``tanh``, ``* cap``, each rounded to ``logits_dtype``; then float32. A softcap computed in
         float32 on the rounded logits is off by an ulp of ``logits_dtype`` or so, beyond the tolerance
         (25 times it in bf16, 5 times in fp16, on these inputs)."""
-        _require(lp, HIDDEN, ("logits_dtype", "softcap"))
+        lp.require(HIDDEN, features=("logits_dtype", "softcap"), vocab=HIDDEN_VOCAB)
         ld = getattr(torch, logits_dtype)
         h, w, b = _hidden_inputs(lp)
         y = _labels(lp, (h.double() @ w.double().T))
@@ -487,7 +462,7 @@ class SemanticsSection:
     def test_fused_logits_dtype_softcap_truncated(self, lp: Harness) -> None:
         """The kept set is decided on the float32 processed logits the engine's sampler sees: those
         of the softcap computed in ``logits_dtype``."""
-        _require(lp, HIDDEN, ("logits_dtype",) + SAMPLER)
+        lp.require(HIDDEN, features=("logits_dtype",) + SAMPLER, vocab=HIDDEN_VOCAB)
         h, w, b = _hidden_inputs(lp)
         y = _labels(lp, (h.double() @ w.double().T))
         kw = dict(softcap=3.0, min_p=0.02, top_k=60, top_p=0.9, keep=_keep(lp, "ids", (2, 5, 700)), temperature=0.7)
@@ -497,7 +472,7 @@ class SemanticsSection:
     def test_fused_logits_dtype_softcap_gradients(self, lp: Harness) -> None:
         """Straight through each of the three roundings; the softcap's derivative ``1 - tanh(u)**2``
         at the rounded ``u = x / cap``."""
-        _require(lp, HIDDEN, ("logits_dtype", "softcap"), grad=True)
+        lp.require(HIDDEN, grad=True, features=("logits_dtype", "softcap"), vocab=HIDDEN_VOCAB)
         h, w, b = _hidden_inputs(lp)
         y = _labels(lp, (h.double() @ w.double().T))
         _check_hidden(lp, "logits_dtype=bfloat16, softcap=3 gradients", y, True, logits_dtype=torch.bfloat16,
@@ -506,7 +481,7 @@ class SemanticsSection:
     @covers(HIDDEN, features=("candidates",))
     def test_fused_candidates(self, lp: Harness) -> None:
         """Candidate labels (..., K) in the fused op, ignore_index per candidate."""
-        _require(lp, HIDDEN, ("candidates",))
+        lp.require(HIDDEN, features=("candidates",), vocab=HIDDEN_VOCAB)
         h, w, b = _hidden_inputs(lp)
         y = _labels(lp, (h.double() @ w.double().T), candidates=3)
         y[1, 2, 1] = -100
@@ -514,7 +489,7 @@ class SemanticsSection:
 
     @covers(HIDDEN, grad=True, features=("candidates",))
     def test_fused_candidates_gradients(self, lp: Harness) -> None:
-        _require(lp, HIDDEN, ("candidates",), grad=True)
+        lp.require(HIDDEN, grad=True, features=("candidates",), vocab=HIDDEN_VOCAB)
         h, w, b = _hidden_inputs(lp)
         y = _labels(lp, (h.double() @ w.double().T), candidates=3)
         y[1, 2, 1] = -100

@@ -1,4 +1,6 @@
-"""How close a backend's result must be to the float64 reference, and the comparison itself.
+"""The accuracy contract: how close a backend's result must be to the float64 reference (the op
+table's ground truth, :meth:`logprob_registry.opspec.OpSpec.ground_truth`), and the comparison
+itself. The conformance suite, ``bench``, ``tune`` and ``parity`` judge by it.
 
 Tolerance
 ---------
@@ -59,7 +61,7 @@ steps of 6e-8; :func:`subnormal_spacing`).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -88,11 +90,14 @@ def tolerance(logits: torch.Tensor, temperature: float = 1.0, magnitude_bound: O
 
 
 def tolerances(op: str, logits: torch.Tensor, temperature: float = 1.0,
-               magnitude_bound: Optional[float] = None) -> tuple:
-    """The tolerance of each output of ``op``, in the order the op returns them."""
-    kinds = {"logprobs": ("logprobs",), "entropy": ("entropy",),
-             "logprobs_and_entropy": ("logprobs", "entropy")}[op]
-    return tuple(tolerance(logits, temperature, magnitude_bound, k) for k in kinds)
+               magnitude_bound: Optional[float] = None, options: Optional[Mapping[str, Any]] = None) -> tuple:
+    """The tolerance of each output of ``op`` (those a call with ``options`` returns, as the op table
+    names them), in the order the op returns them: an entropy's, or a log-probability's (the
+    values of ``topk_logprobs`` too)."""
+    from .opspec import get
+
+    return tuple(tolerance(logits, temperature, magnitude_bound, "entropy" if name == "entropy" else "logprobs")
+                 for name in get(op).output_names(options))
 
 
 def gradient_rounding(dtype: torch.dtype) -> float:
@@ -181,7 +186,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what
             f"{what}: max error {err.max().item():.3g} exceeds the tolerance "
             f"{allowed[where].item():.3g} (worst at {where}: got {a[where].item()!r}, "
             f"expected {e[where].item()!r}); the contract is float32 accuracy, see "
-            "logprob_registry.testing.numerics")
+            "logprob_registry.numerics")
 
 
 def _first(mask: torch.Tensor) -> tuple:

@@ -1,4 +1,5 @@
-"""The peak memory one call adds on top of what is already allocated, in this process.
+"""The peak memory one call adds on top of what is already allocated, in this process: how ``bench``
+measures memory, and how the conformance suite checks a backend's memory promises.
 
 On CUDA (and other devices whose torch module keeps allocator statistics) this is the caching
 allocator's peak. On a Linux CPU it is the peak resident set size: glibc's mmap threshold is pinned
@@ -58,7 +59,8 @@ def pin_mmap_threshold() -> bool:
     """Make glibc map every allocation of 64 KiB or more and unmap it when freed, for the rest of
     the process (as ``MALLOC_MMAP_THRESHOLD_=65536`` would). Done before the first test, it keeps
     large freed blocks out of the heap, where a later call could reuse resident pages unseen or
-    fault in pages it does not hold at once; the conformance plugin does it when the suite runs.
+    fault in pages it does not hold at once; the conformance plugin does it when the suite runs,
+    ``bench`` through ``MALLOC_MMAP_THRESHOLD_`` in its measuring processes.
     Returns False where this is not glibc."""
     try:
         libc = _libc()

@@ -1,0 +1,134 @@
+"""The kernels of the ``compiled`` backend as plain functions of a 2-D (or 3-D) block of logits,
+and the inductor options they are compiled with: what :mod:`._kernels` compiles and :mod:`._aot`
+exports into prebuilt packages (whose key hashes this module's source). Imports nothing of the
+backend, so that both can import it."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import torch
+
+# split_reductions off: a row is reduced inside one program, so that its result never depends on
+# the batch around it, on CUDA as on CPU. cpp.dynamic_threads on: a CPU kernel always has a parallel
+# loop and lets OpenMP size it at run time; otherwise a kernel first compiled for a few rows (in this
+# process or, through inductor's on-disk cache, in another) stays single-threaded for any size.
+INDUCTOR_OPTIONS = {"split_reductions": False, "cpp.dynamic_threads": True}
+
+# --------------------------------------------------------------------------- kernels (compiled)
+# A row is scaled as a = (x - max(x)) * k with k = log2(e) / t, and exponentiated with exp2, which
+# inductor's CPU code computes faster than exp (docs/backends/compiled.md has the numbers). max(x / t) is
+# max(x) / t, so the max pass reads the logits unscaled; subtracting the max before scaling keeps
+# a row of large logits (1e4) accurate, and a log-probability (x[label] - max) / t - log(sum) never
+# subtracts two large numbers.
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def _fwd_logprobs(x, idx, k: float):
+    """Row max of x, sum of exp2(a), and the label's logit."""
+    xf = _upcast(x)
+    m = xf.amax(-1, keepdim=True)
+    s = torch.exp2((xf - m) * k).sum(-1, keepdim=True)
+    return m, s, x.gather(-1, idx)
+
+
+def _fwd_entropy(x, idx, k: float):
+    """As :func:`_fwd_logprobs`, plus the sum of -a * exp2(a) (0 where x is -inf)."""
+    xf = _upcast(x)
+    m = xf.amax(-1, keepdim=True)
+    a = (xf - m) * k
+    e = torch.exp2(a)
+    s = e.sum(-1, keepdim=True)
+    u = torch.where(torch.isneginf(xf), 0.0, -e * a).sum(-1, keepdim=True)
+    return m, s, u, x.gather(-1, idx)
+
+
+def _softcap(xf, cap: float):
+    """``cap * tanh(xf / cap)``; -inf stays -inf (a masked token stays masked)."""
+    return torch.where(torch.isneginf(xf), xf, torch.tanh(xf / cap) * cap)
+
+
+def _fwd_logprobs_softcap(x, idx, k: float, cap: float):
+    """:func:`_fwd_logprobs` of the softcapped logits (the label's logit softcapped, in fp32)."""
+    xf = _softcap(_upcast(x), cap)
+    m = xf.amax(-1, keepdim=True)
+    s = torch.exp2((xf - m) * k).sum(-1, keepdim=True)
+    return m, s, _softcap(_upcast(x.gather(-1, idx)), cap)
+
+
+def _fwd_entropy_softcap(x, idx, k: float, cap: float):
+    xf = _softcap(_upcast(x), cap)
+    m = xf.amax(-1, keepdim=True)
+    a = (xf - m) * k
+    e = torch.exp2(a)
+    s = e.sum(-1, keepdim=True)
+    u = torch.where(torch.isneginf(xf), 0.0, -e * a).sum(-1, keepdim=True)
+    return m, s, u, _softcap(_upcast(x.gather(-1, idx)), cap)
+
+
+def _grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float, cap: Optional[float] = None):
+    """d/dx of g_lp * logp[idx] + g_ent * entropy, in x's dtype (g_lp is 0 where ignored). The terms
+    of an op's missing output are skipped (``g_lp`` or ``g_ent`` None): lean for ``logprobs``. With
+    ``cap``, of the softcapped logits: the gradient of z = cap * tanh(x / cap) times 1 - tanh**2."""
+    xf = _upcast(x)
+    if cap is not None:
+        t = torch.tanh(xf / cap)
+        dz = torch.where(torch.isneginf(xf), 0.0, 1.0 - t * t)
+        xf = torch.where(torch.isneginf(xf), xf, t * cap)
+    log2p = (xf - m) * k - log2_s
+    p = torch.exp2(log2p)
+    grad = 0.0
+    if g_lp is not None:
+        hit = torch.arange(x.shape[-1], device=x.device) == idx
+        grad = torch.where(hit, g_lp, 0.0) - g_lp * p
+    if g_ent is not None:
+        grad = grad - g_ent * torch.where(torch.isneginf(xf), 0.0, p * (log2p * LN2 + h))
+    if cap is not None:
+        grad = grad * dz
+    return (grad * inv_t).to(x.dtype)
+
+
+def _tile_stats(x, k: float):
+    """Per row of a (rows, TILE) block of one vocabulary tile: the raw max, and the sum of exp2(a)
+    with a = (x - max) * k (0 for a tile of nothing but -inf)."""
+    xf = _upcast(x)
+    m = xf.amax(-1, keepdim=True)
+    a = (xf - torch.where(m == float("-inf"), 0.0, m)) * k
+    return m, torch.exp2(a).sum(-1, keepdim=True)
+
+
+def _tile_stats_entropy(x, k: float):
+    """As :func:`_tile_stats`, plus the sum of exp2(a) * a (0 where x is -inf)."""
+    xf = _upcast(x)
+    m = xf.amax(-1, keepdim=True)
+    a = (xf - torch.where(m == float("-inf"), 0.0, m)) * k
+    e = torch.exp2(a)
+    return m, e.sum(-1, keepdim=True), torch.where(e == 0, 0.0, e * a).sum(-1, keepdim=True)
+
+
+def _bwd(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float):
+    return _grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t)
+
+
+def _bwd_inplace(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float):
+    x.copy_(_grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t))
+
+
+def _bwd_softcap(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float, cap: float):
+    return _grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t, cap)
+
+
+def _bwd_inplace_softcap(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float, cap: float):
+    x.copy_(_grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t, cap))
+
+
+KERNELS: Dict[str, Callable] = {
+    f.__name__.lstrip("_"): f for f in (_fwd_logprobs, _fwd_entropy, _bwd, _bwd_inplace, _fwd_logprobs_softcap,
+                                        _fwd_entropy_softcap, _bwd_softcap, _bwd_inplace_softcap, _tile_stats,
+                                        _tile_stats_entropy)
+}
