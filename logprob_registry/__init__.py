@@ -2,8 +2,10 @@
 device, dtype and torch version at hand. See README.md and docs/."""
 
 from . import call as _call
+from . import nn  # noqa: F401 - lr.nn.LogprobHead; not in __all__: a star import must not shadow torch.nn
 from .backend import Backend
 from .hookspecs import hookimpl
+from .layouts import next_token_labels
 from .ops import (
     backends,
     entropy_from_logits,
@@ -30,6 +32,7 @@ __all__ = [
     "logprobs_and_entropy",
     "logprobs_from_hidden",
     "logprobs_from_logits",
+    "next_token_labels",
     "select",
     "topk_logprobs",
     "use_backend",

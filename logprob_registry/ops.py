@@ -20,9 +20,14 @@ if hasattr(torch.library, "custom_op"):  # torch >= 2.4: calls inside torch.comp
 else:  # pragma: no cover - an older torch traces through the registry, with graph breaks
     traced = None
 
+_torch_dist = torch.distributed  # its attribute "tensor" exists once torch.distributed.tensor is imported
+
 
 def _run(op: str, given: Mapping[str, Any]) -> Any:
-    """Validate the public function's arguments ``given`` and run the call."""
+    """Validate the public function's arguments ``given`` and run the call (DTensor arguments: the
+    plain call on their local tensors, :mod:`.distributed.dtensor`)."""
+    if getattr(_torch_dist, "tensor", None) is not None and _dtensor().involved(given):  # DTensor imported
+        return _dtensor().run(op, given, _run)
     if given.get("process_group") is None:
         return dispatch(validate(op, given))
     from .distributed import sharded
@@ -32,6 +37,12 @@ def _run(op: str, given: Mapping[str, Any]) -> Any:
     except Exception as exc:  # raised on every rank, after the header exchange
         call = exc
     return sharded.run(op, call, given["process_group"])
+
+
+def _dtensor():
+    from .distributed import dtensor
+
+    return dtensor
 
 
 def dispatch(call: Call) -> Any:

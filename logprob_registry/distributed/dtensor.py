@@ -1,0 +1,239 @@
+"""DTensor inputs: every public op on ``torch.distributed.tensor.DTensor`` logits (or hidden states
+and an lm_head weight), on a device mesh of any number of dims (tested: 1-D and 2-D).
+
+The placements say what runs (docs/distributed.md#dtensor):
+
+- ``Shard`` on the vocabulary dim (the logits' last dim, the weight's first) on one mesh dim: the
+  ``process_group=`` path over that mesh dim's group (``mesh.get_group(dim)``), with this rank's
+  shard placed at its real global offset (torch's own ``compute_local_shape_and_global_offset``:
+  uneven vocabularies included). The same bits as that path called by hand.
+- ``Replicate``, or ``Shard`` on a leading dim: rows this rank holds; they run locally.
+- Anything else (``Partial``, a sharded hidden dimension, the vocabulary sharded over two mesh
+  dims or strided) raises an error naming the placement, on every rank (placements are the same
+  on every rank).
+
+Labels (and hidden states) are DTensors on the same mesh (redistributed to the logits' leading
+placements when placed otherwise, replicated over the vocabulary's mesh dim) or plain tensors of
+this rank's local rows. The call itself is the plain call on the local tensors (``to_local``, which
+autograd differentiates), so validation, dispatch and the distributed path are the usual ones. The
+outputs are DTensors (``from_local``): replicated over the vocabulary's mesh dim, placed like the
+rows over the others. Gradients come back as DTensors with the inputs' placements; a weight (or
+bias) replicated over a mesh dim whose rows are sharded gets a ``Partial`` gradient there (each
+rank's rows' share; ``full_tensor()`` or ``redistribute`` sums them), as DTensor's own matmul gives.
+
+Nothing here is imported unless a DTensor reaches a public function: :func:`involved` is called
+only once ``torch.distributed.tensor`` has been imported by someone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+#: The arguments that may be DTensors.
+_DTENSOR_ARGS = ("logits", "hidden", "weight", "bias", "labels")
+
+_REDISTRIBUTE = ("redistribute it first (x.redistribute(mesh, placements)), or pass x.to_local() / "
+                 "x.full_tensor() as a plain tensor")
+
+
+def involved(given: Mapping[str, Any]) -> bool:
+    """Whether any argument of a public function's call is a DTensor."""
+    for name in _DTENSOR_ARGS:
+        if isinstance(given.get(name), DTensor):
+            return True
+    return False
+
+
+def _shown(placements: Sequence[Any]) -> str:
+    return "(" + ", ".join(repr(p) for p in placements) + ")"
+
+
+def _unsupported(name: str, x: DTensor, mesh_dim: int, why: str) -> ValueError:
+    p = x.placements[mesh_dim]
+    return ValueError(f"{name} is a DTensor placed {_shown(x.placements)} on a mesh of shape "
+                      f"{tuple(x.device_mesh.shape)}: {p!r} on mesh dim {mesh_dim} is not supported ({why}); "
+                      f"{_REDISTRIBUTE}")
+
+
+def _same_mesh(mesh, name: str, x: DTensor, against: str) -> None:
+    if x.device_mesh != mesh:
+        raise ValueError(f"{name} and {against} are DTensors of different device meshes ({name}: {x.device_mesh}, "
+                         f"{against}: {mesh}); put both on the same mesh (or pass {name} as a plain tensor of this "
+                         "rank's local rows)")
+
+
+def _leading(name: str, x: DTensor, lead: int, vocab_dim: Optional[int], what: str,
+             owns_vocab: bool = False) -> List[Any]:
+    """The placements of the rows of ``x`` (a DTensor whose first ``lead`` dims are the positions):
+    each mesh dim ``Replicate()`` or a ``Shard`` of a leading dim; on ``vocab_dim`` ``Replicate()``
+    (where ``x``, ``owns_vocab``, is the tensor sharded there by vocabulary)."""
+    rows: List[Any] = []
+    for i, p in enumerate(x.placements):
+        if p.is_replicate() or (owns_vocab and i == vocab_dim):
+            rows.append(Replicate())
+        elif p.is_shard() and getattr(p, "dim", lead) < lead:
+            if i == vocab_dim:
+                raise _unsupported(name, x, i, f"that mesh dim shards the vocabulary, so every rank of it must hold "
+                                   f"the same rows: {name} must be Replicate() there")
+            rows.append(p)
+        elif p.is_shard():
+            raise _unsupported(name, x, i, what)
+        else:
+            raise _unsupported(name, x, i, "only Replicate() and Shard(dim) are supported; a Partial value is a "
+                               "sum not taken yet")
+    return rows
+
+
+class _Plan:
+    """What one DTensor call does: its mesh, the mesh dim that shards the vocabulary (or None), the
+    rows' placements (the outputs'), the global leading shape, the plain call's arguments."""
+
+    def __init__(self, op: str, given: Mapping[str, Any]) -> None:
+        self.op = op
+        self.local: Dict[str, Any] = dict(given)
+        self.vocab_dim: Optional[int] = None
+        self.vocab_start: Optional[int] = None
+        if op == "logprobs_from_hidden":
+            self._hidden(given)
+        else:
+            self._logits(given)
+        labels = given.get("labels")
+        if isinstance(labels, DTensor):
+            _same_mesh(self.mesh, "labels", labels, self.main)
+            if tuple(labels.placements) != tuple(self.rows):
+                _leading("labels", labels, labels.ndim, None, "")  # Partial: refused, never summed
+                labels = labels.redistribute(self.mesh, self.rows)
+            self.local["labels"] = labels.to_local()
+        for name, value in given.items():
+            if name not in _DTENSOR_ARGS and isinstance(value, DTensor):
+                raise TypeError(f"{name} is a DTensor; only {', '.join(_DTENSOR_ARGS)} may be: pass {name} as a plain "
+                                "tensor of this rank's local rows")
+        if self.vocab_dim is not None:
+            self.local["process_group"] = self.mesh.get_group(self.vocab_dim)
+            self.local["vocab_start"] = self.vocab_start
+
+    # ---------------------------------------------------------------- the logits ops
+    def _logits(self, given: Mapping[str, Any]) -> None:
+        logits = given.get("logits")
+        self.main = "logits"
+        if not isinstance(logits, DTensor):
+            raise TypeError(f"labels is a DTensor but logits is a plain {type(logits).__name__}; pass the logits as a "
+                            "DTensor too, or labels.to_local() (this rank's local rows)")
+        self.mesh, last = logits.device_mesh, logits.ndim - 1
+        for i, p in enumerate(logits.placements):
+            if p.is_shard() and getattr(p, "dim", None) == last:
+                self._vocab("logits", logits, i, last)
+        self.rows = _leading("logits", logits, last, self.vocab_dim, "", owns_vocab=True)
+        self.lead = tuple(logits.shape[:-1])
+        self.local["logits"] = logits.to_local()  # its gradient: a DTensor of the logits' placements
+
+    # ------------------------------------------------------------ logprobs_from_hidden
+    def _hidden(self, given: Mapping[str, Any]) -> None:
+        hidden, weight, bias = given.get("hidden"), given.get("weight"), given.get("bias")
+        first = next(x for x in (hidden, weight, bias) if isinstance(x, DTensor)) \
+            if any(isinstance(x, DTensor) for x in (hidden, weight, bias)) else None
+        if first is None:
+            raise TypeError("labels is a DTensor but hidden and weight are plain tensors; pass the hidden states "
+                            "(or the weight) as a DTensor too, or labels.to_local() (this rank's local rows)")
+        self.mesh = first.device_mesh
+        self.main = "hidden" if first is hidden else "weight" if first is weight else "bias"
+        if isinstance(weight, DTensor):
+            _same_mesh(self.mesh, "weight", weight, self.main)
+            for i, p in enumerate(weight.placements):
+                if p.is_shard() and getattr(p, "dim", None) == 0:
+                    self._vocab("weight", weight, i, 0)
+                elif p.is_shard():
+                    raise _unsupported("weight", weight, i, "a sharded hidden dimension: the lm_head weight (V, H) may "
+                                       "be sharded by vocabulary rows (Shard(0)) only")
+                elif not p.is_replicate():
+                    raise _unsupported("weight", weight, i, "only Replicate() and Shard(0) are supported; a Partial "
+                                       "value is a sum not taken yet")
+        if isinstance(hidden, DTensor):
+            _same_mesh(self.mesh, "hidden", hidden, self.main)
+            self.rows = _leading("hidden", hidden, hidden.ndim - 1, self.vocab_dim,
+                                 "a sharded hidden dimension: the hidden states may be sharded by positions only")
+            self.lead = tuple(hidden.shape[:-1])
+            self.local["hidden"] = hidden.to_local()
+        else:  # this rank's rows, the same on every rank of the mesh as far as we can know
+            self.rows = [Replicate()] * self.mesh.ndim
+            self.lead = tuple(hidden.shape[:-1]) if isinstance(hidden, torch.Tensor) else ()
+        # a weight replicated where the rows are sharded: each rank's gradient is its rows' share
+        if isinstance(weight, DTensor):
+            self.local["weight"] = weight.to_local(grad_placements=self._shared(weight))
+        if isinstance(bias, DTensor):
+            _same_mesh(self.mesh, "bias", bias, self.main)
+            want = [Shard(0) if i == self.vocab_dim else Replicate() for i in range(self.mesh.ndim)]
+            if [p for p in bias.placements] != want:
+                raise ValueError(f"bias is a DTensor placed {_shown(bias.placements)}; it must be placed like the "
+                                 f"weight's vocabulary rows, {_shown(want)}; {_REDISTRIBUTE}")
+            self.local["bias"] = bias.to_local(grad_placements=self._shared(bias))
+
+    def _shared(self, x: DTensor) -> List[Any]:
+        return [Partial() if r.is_shard() else p for r, p in zip(self.rows, x.placements)]
+
+    # ----------------------------------------------------------------- the vocabulary
+    def _vocab(self, name: str, x: DTensor, mesh_dim: int, dim: int) -> None:
+        if type(x.placements[mesh_dim]) is not Shard:
+            raise _unsupported(name, x, mesh_dim, "the vocabulary may be sharded by a plain Shard only")
+        if self.vocab_dim is not None:
+            raise _unsupported(name, x, mesh_dim, f"the vocabulary is already sharded over mesh dim {self.vocab_dim}; "
+                               "it may be sharded over one mesh dim only")
+        if self.op == "topk_logprobs":
+            raise NotImplementedError(
+                f"topk_logprobs of logits sharded on the vocabulary dim ({x.placements[mesh_dim]!r} on mesh dim "
+                f"{mesh_dim}) is not supported yet: it would run topk_logprobs(..., process_group=...), which is not "
+                "supported yet; redistribute the logits to Replicate() on that mesh dim (or gather them), or call "
+                "without a vocabulary shard")
+        self.vocab_dim = mesh_dim
+        self.vocab_start = _offset(x, dim)
+
+
+def _offset(x: DTensor, dim: int) -> int:
+    """The global index of this rank's first element of ``x`` along ``dim`` (torch's own rule, which
+    gives uneven shards' remainder to the first ranks, as ``torch.chunk`` does)."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover - an older torch: torch.chunk's rule
+        mesh = x.device_mesh
+        for i, p in enumerate(x.placements):
+            if p.is_shard() and getattr(p, "dim", None) == dim:
+                n = mesh.size(i)
+                return min(mesh.get_local_rank(i) * -(-x.shape[dim] // n), x.shape[dim])
+        return 0
+    return int(compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)[1][dim])
+
+
+def _stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def run(op: str, given: Mapping[str, Any], local_run: Callable[[str, Mapping[str, Any]], Any]) -> Any:
+    """The public op ``op`` on arguments ``given`` of which some are DTensors: the plain call
+    ``local_run(op, arguments)`` on the local tensors (with the vocabulary's group, if any), its
+    outputs as DTensors."""
+    for name in ("process_group", "vocab_start"):
+        if given.get(name) is not None:
+            raise ValueError(f"{name}= was given with DTensor inputs; the group and this rank's vocabulary offset are "
+                             "read from the DTensor's mesh and placements: leave process_group and vocab_start out")
+    plan = _Plan(op, given)
+    out = local_run(op, plan.local)
+    lead = len(plan.lead)
+
+    def wrap(t: torch.Tensor) -> DTensor:
+        shape = plan.lead + tuple(t.shape[lead:])
+        return DTensor.from_local(t, plan.mesh, plan.rows, run_check=False, shape=torch.Size(shape),
+                                  stride=_stride(shape))
+
+    if isinstance(out, tuple):
+        return tuple(wrap(t) for t in out)
+    return wrap(out)
+
+
+__all__ = ["involved", "run"]
