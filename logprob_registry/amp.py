@@ -5,7 +5,7 @@ bf16 ones (an error of 1e-2 nats, which the contract forbids) and make a backwar
 forward's float32 statistics crash on mixed dtypes. A backward runs in whatever autocast context
 ``.backward()`` is called from, so disabling autocast around the forward is not enough. Hence:
 
-- a call made under autocast (``ops._dispatch``) runs the backend with autocast disabled for the
+- a call made under autocast (``ops.dispatch``) runs the backend with autocast disabled for the
   inputs' device type; when it needs gradients, through :func:`call_isolated`, whose backward also
   runs the backend's own backward graph with autocast disabled, whatever the backend (a pure torch
   one such as ``naive`` included);

@@ -13,7 +13,6 @@ tensors (``select``, ``explain``, ``tune``, the suite, the distributed shard ops
 from __future__ import annotations
 
 import re
-import types
 from typing import Any, Iterable, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -70,8 +69,8 @@ def shape_vocab(shape: Any) -> Optional[int]:
 
 
 class Call(NamedTuple):
-    """One validated call of a public function (a named tuple: immutable and cheap to make on
-    the hot path).
+    """One validated call of a public function (a named tuple, cheap to make on the hot path;
+    ``options`` is a plain dict that nothing modifies after validation).
 
     ``inputs`` and ``options`` are what a backend of ``op`` receives (``OpSpec.backend_options``
     narrows ``options`` to the features it declares); ``sampler`` is the same sampler keywords as
@@ -135,6 +134,8 @@ def validate(op: str, given: Mapping[str, Any]) -> Call:
                          "rank's vocabulary shard within a process group: pass process_group= too, or neither")
     sharded = group is not None
     options = {o.name: given.get(o.name, o.default) for o in spec.options}
+    if op == "kl_divergence":
+        return _validate_kl(spec, given, options, group, vocab_start)
     # inputs first, then the options, in the op table's order
     if op == "logprobs_from_hidden":
         hidden, weight, bias = v.check_hidden(given.get("hidden"), given.get("weight"), options["bias"])
@@ -161,8 +162,11 @@ def validate(op: str, given: Mapping[str, Any]) -> Call:
         options["logits_dtype"] = v.check_logits_dtype(options["logits_dtype"])
     elif op == "topk_logprobs":
         options["k"] = v.check_k(options["k"], vocab)
-    sampler = Sampler.validate(given, logits_shape, on.device, vocab=None if sharded else vocab)
-    options.update(sampler.keywords())
+    if Sampler.in_use(given):  # else every sampler option is already None (OFF)
+        sampler = Sampler.validate(given, logits_shape, on.device, vocab=None if sharded else vocab)
+        options.update(sampler.keywords())
+    else:
+        sampler = OFF
     if sharded:
         vocab_start = v.check_vocab_start(vocab_start)
     features = sampler.features()
@@ -176,8 +180,47 @@ def validate(op: str, given: Mapping[str, Any]) -> Call:
     grad_on = torch.is_grad_enabled()
     needs = tuple(bool(grad_on and t is not None and t.requires_grad) for t in grad_tensors)
     key = Key(op, on.device.type, on.dtype, any(needs), features, vocab_bucket(vocab))
-    return Call(op, tuple(tensors), types.MappingProxyType(options), sampler, features, needs, key, vocab,
-                given.get("backend"), group, vocab_start)
+    return Call(op, tuple(tensors), options, sampler, features, needs, key, vocab, given.get("backend"), group,
+                vocab_start)
+
+
+def _validate_kl(spec: OpSpec, given: Mapping[str, Any], options: dict, group: Any, vocab_start: Any) -> Call:
+    """:func:`validate` of ``kl_divergence``: each side logits ``(..., V)`` or hidden states with its
+    weight ``(V, H)``, the same positions and vocabulary; the teacher (and its weight) detached."""
+    sharded = group is not None
+    student, student_weight, vocab = v.check_side("student", given.get("student"), options["student_weight"])
+    teacher, teacher_weight, teacher_vocab = v.check_side("teacher", given.get("teacher"), options["teacher_weight"])
+    if tuple(student.shape[:-1]) != tuple(teacher.shape[:-1]):
+        raise ValueError(f"student {tuple(student.shape)} and teacher {tuple(teacher.shape)} have different positions "
+                         f"({tuple(student.shape[:-1])} against {tuple(teacher.shape[:-1])}): give both the same "
+                         "leading dims, one distribution per position")
+    if vocab != teacher_vocab:
+        raise ValueError(f"the student's vocabulary ({vocab}) and the teacher's ({teacher_vocab}) differ: both must "
+                         "score the same tokens (pad the smaller lm_head, or slice the larger)")
+    v.check_same_device(teacher, student.device, "teacher", "student")
+    options["student_weight"], options["teacher_weight"] = student_weight, teacher_weight
+    if teacher_weight is not None:
+        options["teacher_weight"] = teacher_weight.detach()  # a target: no gradient reaches it
+    teacher = teacher.detach()
+    direction = options["direction"]
+    if direction not in ("forward", "reverse"):
+        raise ValueError(f'direction must be "forward" (KL(teacher || student)) or "reverse" (KL(student || '
+                         f'teacher)), got {direction!r}')
+    options["temperature"] = v.check_temperature(options["temperature"])
+    lead = tuple(student.shape[:-1])
+    options["mask"] = v.check_mask(options["mask"], lead, student.device)
+    options["support"] = v.check_support(options["support"], lead, None if sharded else vocab, student.device)
+    options["tail"] = v.check_flag(options["tail"], "tail")
+    if sharded:
+        vocab_start = v.check_vocab_start(vocab_start)
+    features = spec.features_used(options)
+    if v.inside_functorch_transform():
+        features = features | _FUNCTORCH
+    grad_on = torch.is_grad_enabled()
+    needs = tuple(bool(grad_on and t is not None and t.requires_grad) for t in (student, student_weight))
+    key = Key("kl_divergence", student.device.type, student.dtype, any(needs), features, vocab_bucket(vocab))
+    return Call("kl_divergence", (student, teacher), options, OFF, features, needs, key, vocab, given.get("backend"),
+                group, vocab_start)
 
 
 __all__ = ["OFF", "Call", "key_for", "shape_vocab", "validate"]

@@ -30,19 +30,25 @@ def register_backends(register: Callable[..., None]) -> None:
         logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward) -> (logprobs, entropy)
         logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy) -> logprobs, or (logprobs, entropy) when return_entropy=True
         topk_logprobs(logits, *, k, temperature) -> (values, ids)
+        kl_divergence(student, teacher, *, direction, temperature, mask, tail) -> kl
         shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy) -> (tile_max, tile_sumexp, tile_elog, label_logits)
         shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature, inplace_backward) -> grad_logits
         hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy) -> (tile_max, tile_sumexp, tile_elog, label_logits)
         hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start, tile, temperature, needs_grad) -> (grad_hidden, grad_weight, grad_bias)
+        kl_shard_stats(student, teacher, *, student_weight, teacher_weight, vocab_start, tile, temperature, direction) -> (student_max, student_sumexp, teacher_max, teacher_sumexp, cross)
+        kl_shard_grad(student, teacher, lse_student, lse_teacher, kl, grad_kl, mask, *, student_weight, teacher_weight, vocab_start, tile, temperature, direction, needs_grad) -> (grad_student, grad_student_weight)
 
-    ``logits`` is ``(..., V)`` of a float dtype the backend declared, ``labels`` ``(...)`` int32 or
+    ``kl_divergence`` receives the teacher (and its weight) detached, ``mask`` a bool ``(...)`` or
+    None, ``direction`` "forward" or "reverse" (docs/distillation.md). ``logits`` is ``(..., V)`` of
+    a float dtype the backend declared, ``labels`` ``(...)`` int32 or
     int64 in ``[0, V)`` or equal to ``ignore_index``; ``hidden`` is ``(..., H)``, ``weight``
     ``(V, H)``, ``bias`` ``(V,)`` or None, all of one dtype. Results are float32 (float64 for
     float64 inputs). Optional options reach only backends that declare their feature
     (``Backend(features={...})``, see ``opspec.FEATURES``): ``softcap``, ``top_k``, ``top_p``,
-    ``min_p``, ``keep`` (the sampler's processing) and ``logits_dtype`` (the fused op) then come as
-    keywords too; ``candidates`` means labels of shape ``(..., K)``; ``functorch`` means its ops
-    work inside ``torch.func`` transforms. The ``shard_*`` ops are one rank's work for calls with
+    ``min_p``, ``keep`` (the sampler's processing), ``logits_dtype`` (the fused op),
+    ``student_weight`` and ``teacher_weight`` (``kl_hidden``) and ``support`` (``kl_support``) then
+    come as keywords too; ``candidates`` means labels of shape ``(..., K)``; ``functorch`` means its ops
+    work inside ``torch.func`` transforms. The ``*shard_*`` ops are one rank's work for calls with
     ``process_group=``, called by :mod:`logprob_registry.distributed` on a vocabulary shard
     (docs/distributed.md).
 

@@ -119,8 +119,6 @@ def first_order_only(what: str, remedy: str = "Use backend='naive' for second-or
     return decorate
 
 
-
-
 # ------------------------------------------------------------------------------ autocast
 def autocast_enabled(device_type: str) -> bool:
     """Whether autocast is on for ``device_type`` tensors in this thread."""
@@ -154,10 +152,9 @@ def backward_without_autocast(backward: Callable) -> Callable:
     return run
 
 
-
 # ------------------------------------------------------------------------------ reference
 def reference_outputs(logits: torch.Tensor, labels: Optional[torch.Tensor], *, temperature: float,
-            ignore_index: Optional[int], want_logprobs: bool, want_entropy: bool, **sampler):
+                      ignore_index: Optional[int], want_logprobs: bool, want_entropy: bool, **sampler):
     """What the logits op returning ``want_logprobs``/``want_entropy`` returns (the op table's
     ground truth of that op, :meth:`~logprob_registry.opspec.OpSpec.ground_truth`), in the ops'
     result dtype: for backends' degenerate inputs (nothing to chunk or compile for)."""
@@ -166,6 +163,7 @@ def reference_outputs(logits: torch.Tensor, labels: Optional[torch.Tensor], *, t
     out = spec.ground_truth(*(logits, labels)[: len(spec.inputs)], dtype=result_dtype(logits.dtype),
                             **spec.options_of(given))
     return out if len(out) > 1 else out[0]
+
 
 __all__ = [
     "FLOAT_DTYPES",

@@ -23,10 +23,16 @@ else:  # pragma: no cover - an older torch traces through the registry, with gra
 _torch_dist = torch.distributed  # its attribute "tensor" exists once torch.distributed.tensor is imported
 
 
+def _dtensor_imported() -> bool:
+    """Whether DTensor exists in this process (imported by someone; torch < 2.5's
+    torch.distributed.tensor holds only ``parallel``, no DTensor)."""
+    return getattr(getattr(_torch_dist, "tensor", None), "DTensor", None) is not None
+
+
 def _run(op: str, given: Mapping[str, Any]) -> Any:
     """Validate the public function's arguments ``given`` and run the call (DTensor arguments: the
     plain call on their local tensors, :mod:`.distributed.dtensor`)."""
-    if getattr(_torch_dist, "tensor", None) is not None and _dtensor().involved(given):  # DTensor imported
+    if _dtensor_imported() and _dtensor().involved(given):
         return _dtensor().run(op, given, _run)
     if given.get("process_group") is None:
         return dispatch(validate(op, given))
@@ -194,6 +200,37 @@ def topk_logprobs(
                                   "logits (or each rank's own topk_logprobs of its shard) to one rank, or call "
                                   "without process_group")
     return _run("topk_logprobs", locals())
+
+
+def kl_divergence(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    *,
+    direction: str = "forward",
+    temperature: float = 1.0,
+    mask: Optional[torch.Tensor] = None,
+    student_weight: Optional[torch.Tensor] = None,
+    teacher_weight: Optional[torch.Tensor] = None,
+    support: Optional[torch.Tensor] = None,
+    tail: bool = True,
+    process_group: Any = None,
+    vocab_start: Optional[int] = None,
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    """The KL divergence between the student's and the teacher's distributions at each position:
+    float32 of the positions' shape ``(...)`` (float64 for float64 input), accumulated in fp32.
+
+    ``direction="forward"`` is ``KL(teacher || student)``, ``"reverse"`` ``KL(student || teacher)``;
+    ``temperature`` divides both sides' logits (no ``T**2`` factor). Each side is logits ``(..., V)``,
+    or hidden states ``(..., H)`` with its lm_head ``*_weight`` ``(V, H)`` (its logits are then never
+    materialised). ``mask`` (bool, ``(...)``): False positions give 0 and a zero gradient.
+    ``support`` (int ids ``(..., K)``, distinct per position): both distributions restricted to those
+    K tokens plus, with ``tail=True``, one bucket for the mass outside them (its log a log-sum-exp over
+    the complement); with ``tail=False`` renormalised over the K. The gradient reaches the student
+    (and ``student_weight``) only: the teacher is a detached target. ``process_group``,
+    ``vocab_start``: both sides are this rank's vocabulary shards, as in
+    :func:`logprobs_from_logits` (docs/distillation.md)."""
+    return _run("kl_divergence", locals())
 
 
 def _key(op: str, device, dtype, requires_grad: bool, shape=None):

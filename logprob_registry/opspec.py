@@ -73,6 +73,8 @@ INPUTS: Mapping[str, InputKind] = {
     "labels": InputKind("...", True, "uniform over the vocabulary"),
     "hidden": InputKind("...H", False, "standard normal"),
     "weight": InputKind("VH", False, "normal, scaled by 3/sqrt(H) so that the logits are like the logits ops' inputs"),
+    "student": InputKind("...V", False, "as logits (kl_divergence's student)"),
+    "teacher": InputKind("...V", False, "as logits (kl_divergence's teacher), drawn after the student"),
 }
 LOGITS_SCALE = 3.0
 DEFAULT_HIDDEN_SIZE = 64
@@ -80,7 +82,7 @@ DEFAULT_HIDDEN_SIZE = 64
 
 def input_scale(name: str, shape: Sequence[int]) -> float:
     """The factor of input ``name``'s standard normal values (see :data:`INPUTS`)."""
-    if name == "logits":
+    if name in ("logits", "student", "teacher"):
         return LOGITS_SCALE
     if name == "weight":
         return LOGITS_SCALE / math.sqrt(max(shape[-1], 1))
@@ -150,6 +152,29 @@ def examples_by_name(spec: "OpSpec", shape: Sequence[int], dtype: torch.dtype, d
             if p.default is p.empty and name in spec.option_index and name not in given:
                 given[name] = spec.option_index[name].default
     return Example(inputs, given)
+
+
+def kl_examples(spec: "OpSpec", shape: Sequence[int], dtype: torch.dtype, device: Any, requires_grad: bool,
+                seed: int, hidden_size: Optional[int], options: Mapping[str, Any]) -> Example:
+    """The example maker of ``kl_divergence``: without ``hidden_size``, student and teacher logits
+    (:func:`examples_by_name`); with it, both sides as hidden states ``(..., H)`` with their own
+    weights ``(V, H)`` (the options ``student_weight`` and ``teacher_weight``), drawn in the order
+    student, student_weight, teacher, teacher_weight from one generator seeded with ``seed``, as
+    :data:`INPUTS`' ``hidden`` and ``weight`` are; with ``requires_grad`` the student and its weight
+    require gradients (the teacher is a detached target)."""
+    if hidden_size is None:
+        return examples_by_name(spec, shape, dtype, device, requires_grad, seed, hidden_size, options)
+    lead, vocab, h = tuple(shape[:-1]), int(shape[-1]), int(hidden_size)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    made = {}
+    for side in ("student", "teacher"):
+        made[side] = make_input("hidden", INPUTS["hidden"].shape(lead, vocab, h), dtype, gen).to(device)
+        made[f"{side}_weight"] = make_input("weight", INPUTS["weight"].shape(lead, vocab, h), dtype, gen).to(device)
+    if requires_grad:
+        for name in ("student", "student_weight"):
+            made[name].requires_grad_(True)
+    given = dict(options, student_weight=made.pop("student_weight"), teacher_weight=made.pop("teacher_weight"))
+    return Example(made, given)
 
 
 @dataclass(frozen=True)
@@ -300,6 +325,9 @@ _STATS_DOC = ("per row and tile of z = logits / temperature (in float32, float64
               "(...) = z at column labels - vocab_start where the shard holds the label and it is not "
               "ignore_index, else 0 (None when labels is None). A tile's statistics must depend on its own "
               "columns only (bitwise, for backends declaring group_invariant)")
+_KL_SIDES = (Option("student_weight", None, "(V_local, H_s) or None: the student is hidden states (..., H_s)"),
+             Option("teacher_weight", None, "(V_local, H_t) or None: the teacher is hidden states (..., H_t)"))
+_KL_DIRECTION = Option("direction", "forward", '"forward": KL(teacher || student); "reverse": KL(student || teacher)')
 _GRADS_DOC = ("lse, entropy: the merged log-sum-exp and entropy of z per row (...); grad_logprobs, "
               "grad_entropy: upstream gradients (...) or None, grad_logprobs already 0 at ignored positions")
 
@@ -360,6 +388,29 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
         reference="topk_logprobs", examples=examples_by_name,
     ),
     OpSpec(
+        name="kl_divergence", function="kl_divergence",
+        inputs=("student", "teacher"),
+        options=(
+            Option("direction", "forward", '"forward": KL(teacher || student); "reverse": KL(student || teacher)'),
+            Option("temperature", 1.0, "float > 0: divides both sides' logits"),
+            Option("mask", None, "bool (...) or None: positions where it is False give 0 and a zero gradient"),
+            Option("student_weight", None, "(V, H_s) or None: the student is hidden states (..., H_s) whose logits "
+                   "student @ student_weight.T are never formed", feature="kl_hidden"),
+            Option("teacher_weight", None, "(V, H_t) or None: the teacher is hidden states (..., H_t), likewise",
+                   feature="kl_hidden"),
+            Option("support", None, "int64 ids (..., K), distinct per position, or None: both distributions "
+                   "restricted to these K tokens (see tail)", feature="kl_support"),
+            Option("tail", True, "bool: with support, one more bucket holding the mass outside the K (its log a "
+                   "log-sum-exp over the complement, never log(1 - sum p)); False: renormalised over the K"),
+        ),
+        outputs=("kl",),
+        doc="KL divergence of the tempered distributions per position: student, teacher logits (..., V) (or "
+            "hidden states with their *_weight); float32 (...) (float64 for float64); the gradient reaches the "
+            "student (and student_weight) only: the teacher is a detached target",
+        dtype_input="student", grad_inputs=("student", "student_weight"),
+        reference="kl_divergence", examples=kl_examples,
+    ),
+    OpSpec(
         name="shard_stats", function=None,
         inputs=("logits", "labels"),
         options=(_VOCAB_START, _TILE, _TEMPERATURE, _IGNORE_INDEX, _ENTROPY),
@@ -398,6 +449,34 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
             "dtypes), None where not needed; " + _GRADS_DOC,
         dtype_input="hidden", grad_inputs=(),
     ),
+    # kl_divergence with process_group= (see logprob_registry.distributed.kl)
+    OpSpec(
+        name="kl_shard_stats", function=None,
+        inputs=("student", "teacher"),
+        options=_KL_SIDES + (_VOCAB_START, _TILE, _TEMPERATURE, _KL_DIRECTION),
+        outputs=("student_max", "student_sumexp", "teacher_max", "teacher_sumexp", "cross"),
+        doc="kl_divergence's forward on one vocabulary shard of both sides (logits (..., V_local), or hidden "
+            "states with their weight shard (V_local, H)): per row and tile of zs = student / temperature and "
+            "zt = teacher / temperature (float32, float64 for float64), each (..., n_tiles): the max and sum "
+            "exp(z - max) of each side, and cross = sum et * (zt - zs) with et = exp(zt - teacher_max) for "
+            '"forward", sum es * (zs - zt) with es = exp(zs - student_max) for "reverse" (0 where the weight '
+            "is 0). A tile's statistics must depend on its own columns only (bitwise, for backends declaring "
+            "group_invariant)",
+        dtype_input="student", grad_inputs=(),
+    ),
+    OpSpec(
+        name="kl_shard_grad", function=None,
+        inputs=("student", "teacher", "lse_student", "lse_teacher", "kl", "grad_kl", "mask"),
+        options=_KL_SIDES + (_VOCAB_START, _TILE, _TEMPERATURE, _KL_DIRECTION,
+                             Option("needs_grad", (True, False), "(student, student_weight): which gradients")),
+        outputs=("grad_student", "grad_student_weight"),
+        doc="backward of kl_shard_stats: lse_student, lse_teacher, kl: the merged per-row values (...); "
+            "grad_kl (...) the upstream gradient; mask bool (...) or None (False rows: exact zeros). For student "
+            "logits, their gradient (shape and dtype of the shard); for student hidden states, this shard's "
+            "share of the hidden gradient (float32, float64 for float64; the core sums it over the group) and "
+            "the weight shard's gradient (its dtype); None where not needed",
+        dtype_input="student", grad_inputs=(),
+    ),
 )}
 
 #: The ops of the vocabulary-parallel path, called by the core (:mod:`logprob_registry.distributed`).
@@ -411,6 +490,10 @@ FEATURES: Mapping[str, str] = {
     "candidates": "labels of shape (..., K): the logprobs of K candidate tokens per position in one pass",
     **{o.feature: f"the {o.name} option: {o.doc}" for o in _SAMPLER},
     "logits_dtype": "logprobs_from_hidden's logits_dtype option: logits rounded to bf16/fp16 before the softmax",
+    "kl_hidden": "kl_divergence with student_weight / teacher_weight: either side as hidden states whose logits "
+                 "are never formed",
+    "kl_support": "kl_divergence's support option: both distributions restricted to K ids per position (plus the "
+                  "tail bucket with tail=True)",
 }
 #: The features that truncate the distribution (a label outside the kept set gives -inf).
 TRUNCATION = sampler_fields.TRUNCATION

@@ -458,3 +458,89 @@ def logprobs_from_hidden(
     if return_entropy:
         return logprobs_and_entropy(logits, labels, ignore_index=ignore_index, **kw)
     return logprobs(logits, labels, ignore_index=ignore_index, **kw)
+
+
+# ------------------------------------------------------------------------------- distillation
+def kl_side_logits(x: torch.Tensor, weight: Optional[torch.Tensor], dtype: torch.dtype = torch.float64,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """One side of :func:`kl_divergence` as tempered logits ``(..., V)`` in ``dtype``: ``x`` itself
+    (logits), or ``x @ weight.T`` (hidden states ``(..., H)`` and an lm_head ``(V, H)``)."""
+    z = x.to(dtype) if weight is None else F.linear(x.to(dtype), weight.to(dtype))
+    return z / temperature if temperature != 1.0 else z
+
+
+def support_logprobs(z: torch.Tensor, support: Optional[torch.Tensor], tail: bool = True) -> torch.Tensor:
+    """The log-probabilities of the buckets :func:`kl_divergence` compares, from tempered logits
+    ``z`` ``(..., V)``: every token (``support`` None); the ``K`` ids of ``support`` ``(..., K)`` and,
+    with ``tail``, one last bucket ``(..., K + 1)`` holding the mass outside them; without ``tail``
+    the log-softmax over the ``K`` gathered logits.
+
+    The tail's log mass is ``logsumexp(z over the complement) - logsumexp(z)``, never ``log(1 -
+    sum p)``: where the support holds ``1 - 1e-9`` of the mass, float32 rounds ``sum p`` to 1 (or
+    to ``1 - 6e-8``), and the subtraction returns ``-inf`` or a value off by orders of magnitude; a
+    log-sum-exp over the complement is as accurate as any other log-probability. An empty
+    complement (``K = V``, or only ``-inf`` outside) gives ``-inf`` (no NaN in the gradient)."""
+    if support is None:
+        return z.log_softmax(-1)
+    index = support.long()
+    if not tail:
+        return z.gather(-1, index).log_softmax(-1)
+    lse = torch.logsumexp(z, -1, keepdim=True)
+    inside = z.gather(-1, index) - lse
+    rest = z.scatter(-1, index, NEG_INF)  # the complement: the support's columns at -inf
+    empty = torch.isneginf(rest).all(-1, keepdim=True)
+    safe = torch.where(empty, torch.zeros_like(rest), rest)  # logsumexp of all -inf has a NaN gradient
+    outside = torch.where(empty, torch.full_like(lse, NEG_INF), torch.logsumexp(safe, -1, keepdim=True)) - lse
+    return torch.cat([inside, outside], -1)
+
+
+def kl_terms(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """``p * (log p - log q)`` elementwise, 0 where ``p = 0`` (``0 log 0 = 0``, whatever ``q``);
+    ``+inf`` where ``p > 0`` and ``q = 0``. Neither kind of entry passes a gradient on (so there is
+    no NaN in the gradient, even under a zero upstream gradient: a masked or skipped position)."""
+    zero = log_p.exp() == 0
+    infinite = ~zero & torch.isneginf(log_q)
+    lp = torch.where(zero, torch.zeros_like(log_p), log_p)
+    lq = torch.where(zero | infinite, torch.zeros_like(log_q), log_q)
+    terms = torch.where(zero, torch.zeros_like(lp), lp.exp() * (lp - lq))
+    return torch.where(infinite, torch.full_like(terms, math.inf), terms)
+
+
+def kl_distributions(
+    student: torch.Tensor, teacher: torch.Tensor, *, dtype: torch.dtype = torch.float64,
+    direction: str = "forward", temperature: float = 1.0, student_weight: Optional[torch.Tensor] = None,
+    teacher_weight: Optional[torch.Tensor] = None, support: Optional[torch.Tensor] = None, tail: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(log p, log q)`` over the buckets (:func:`support_logprobs`) such that :func:`kl_divergence`
+    is ``KL(p || q) = sum p (log p - log q)``: ``p`` the teacher and ``q`` the student for
+    ``direction="forward"``, the other way round for ``"reverse"``. The teacher's side carries no
+    gradient."""
+    if direction not in ("forward", "reverse"):
+        raise ValueError(f'direction must be "forward" or "reverse", got {direction!r}')
+    log_s = support_logprobs(kl_side_logits(student, student_weight, dtype, temperature), support, tail)
+    with torch.no_grad():
+        t_weight = None if teacher_weight is None else teacher_weight.detach()
+        log_t = support_logprobs(kl_side_logits(teacher.detach(), t_weight, dtype, temperature), support, tail)
+    return (log_t, log_s) if direction == "forward" else (log_s, log_t)
+
+
+def kl_divergence(
+    student: torch.Tensor, teacher: torch.Tensor, *, dtype: torch.dtype = torch.float64,
+    direction: str = "forward", temperature: float = 1.0, mask: Optional[torch.Tensor] = None,
+    student_weight: Optional[torch.Tensor] = None, teacher_weight: Optional[torch.Tensor] = None,
+    support: Optional[torch.Tensor] = None, tail: bool = True,
+) -> torch.Tensor:
+    """``KL(teacher || student)`` (``direction="forward"``) or ``KL(student || teacher)``
+    (``"reverse"``) per position ``(...)``, in ``dtype``, of the distributions of the logits divided
+    by ``temperature`` (no ``T**2`` factor): each side logits ``(..., V)``, or hidden states with its
+    ``*_weight`` ``(V, H)`` (logits ``x @ weight.T`` in ``dtype``). Over the full vocabulary, or the
+    buckets of ``support`` (:func:`support_logprobs`). ``0 log 0 = 0``; a bucket with ``p > 0`` and
+    ``q = 0`` gives ``+inf``. ``mask`` False: 0 and a zero gradient. Differentiable through the
+    student (and ``student_weight``) only."""
+    log_p, log_q = kl_distributions(student, teacher, dtype=dtype, direction=direction, temperature=temperature,
+                                    student_weight=student_weight, teacher_weight=teacher_weight, support=support,
+                                    tail=tail)
+    kl = kl_terms(log_p, log_q).sum(-1)
+    if mask is not None:
+        kl = torch.where(mask.to(kl.device), kl, torch.zeros_like(kl))
+    return kl

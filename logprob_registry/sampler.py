@@ -87,6 +87,8 @@ def check_keep(keep: object, shape: Shape = (), device: Any = None, vocab: Vocab
         raise TypeError(f"keep must be a torch.Tensor (bool mask or int ids) or None, got {type(keep).__name__}")
     if device is not None:
         check_same_device(keep, device, "keep", "logits")
+    if vocab is None:  # a vocabulary shard's call: its shape and ids concern the whole vocabulary (not known here)
+        return keep
     shape = tuple(shape)
     lead, width = shape[:-1], shape[-1]
     if keep.dtype == torch.bool:
@@ -172,6 +174,12 @@ class Sampler:
         """The sampler of keywords a backend received (validated already; other keys ignored)."""
         values = [keywords.get(name) for name in NAMES]
         return OFF if all(value is None for value in values) else cls(**dict(zip(NAMES, values)))
+
+    @staticmethod
+    def in_use(keywords: Mapping[str, Any]) -> bool:
+        """Whether any sampler keyword among ``keywords`` (validated: None when it changes nothing)
+        is in use: :attr:`used` of the keywords a backend received, without building the value."""
+        return any(keywords.get(name) is not None for name in NAMES)
 
     @property
     def used(self) -> bool:

@@ -197,8 +197,62 @@ def check_hidden(hidden: object, weight: object, bias: object):
     return hidden, weight, bias
 
 
-def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def check_side(name: str, x: object, weight: object):
+    """One side of ``kl_divergence``: ``(x, weight, V)`` for logits ``(..., V)`` (``weight`` None) or
+    hidden states ``(..., H)`` with a weight ``(V, H)`` of their dtype and device."""
+    x = check_float(x, name)
+    if weight is None:
+        if x.dim() < 1 or x.shape[-1] == 0:
+            raise ValueError(f"{name} of shape {tuple(x.shape)} has no vocabulary: give logits (..., V) with V >= 1, "
+                             f"or hidden states (..., H) with {name}_weight (V, H)")
+        return x, None, x.shape[-1]
+    weight = check_float(weight, f"{name}_weight")
+    if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1] or 0 in weight.shape:
+        raise ValueError(f"{name}_weight shape {tuple(weight.shape)} does not fit {name} shape {tuple(x.shape)}: "
+                         f"expected {name} hidden states (..., H) and {name}_weight (V, H), both non-empty")
+    check_same_device(weight, x.device, f"{name}_weight", name)
+    if weight.dtype != x.dtype:
+        raise TypeError(f"{name} is {x.dtype} but {name}_weight is {weight.dtype}; give them one dtype, for example "
+                        f"{name}_weight.to({name}.dtype)")
+    return x, weight, weight.shape[0]
+
+
+def check_mask(mask: object, lead: tuple, device: torch.device) -> Optional[torch.Tensor]:
+    """``mask``: None or a bool tensor of the positions' shape ``lead``."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor of the positions' shape {lead} or None, got "
+                        f"{mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__}")
+    if tuple(mask.shape) != tuple(lead):
+        raise ValueError(f"mask shape {tuple(mask.shape)} does not match the positions {tuple(lead)} (the logits' "
+                         "leading dims)")
+    check_same_device(mask, device, "mask", "student")
+    return mask
+
+
+def check_support(support: object, lead: tuple, vocab: Optional[int], device: torch.device) -> Optional[torch.Tensor]:
+    """``support``: None or int ids ``lead + (K,)``, K >= 1, distinct within a position, in ``[0,
+    vocab)`` (``vocab`` None: a shard's, checked once the whole vocabulary is known)."""
+    if support is None:
+        return None
+    if not isinstance(support, torch.Tensor) or support.dtype not in LABEL_DTYPES:
+        raise TypeError(f"support must be int64 or int32 ids of shape {tuple(lead) + ('K',)} or None, got "
+                        f"{support.dtype if isinstance(support, torch.Tensor) else type(support).__name__}")
+    if support.dim() != len(lead) + 1 or tuple(support.shape[:-1]) != tuple(lead) or support.shape[-1] == 0:
+        raise ValueError(f"support shape {tuple(support.shape)} does not fit the positions {tuple(lead)}: expected "
+                         f"{tuple(lead) + ('K',)} with K >= 1")
+    check_same_device(support, device, "support", "student")
+    if support.numel() and values_visible(support):
+        if vocab is not None:
+            check_label_range(support, vocab, None)
+        ordered = support.reshape(-1, support.shape[-1]).sort(-1).values
+        same = (ordered[:, 1:] == ordered[:, :-1]).any(-1)
+        if bool(same.any()):
+            row = int(same.nonzero()[0, 0])
+            raise ValueError(f"support ids repeat within position {tuple(unravel(row, torch.Size(lead)))}: each "
+                             "position's K ids must be distinct")
+    return support
 
 
 def check_k(k: object, vocab: int) -> int:

@@ -10,7 +10,7 @@ packed stream's logits (T x V, float32) and its token ids, in the given layout.
 - ``gather``: every rank's rows gathered to rank 0 (``dist.gather`` into one T x V buffer), where
   ``next_token_labels`` and ``logprobs_from_logits`` run on the whole stream.
 
-Memory, as ``/work/shared/tools/peer_bench.py`` measures it: glibc's mmap threshold pinned
+Memory, as the project's peer benchmarks measure it: glibc's mmap threshold pinned
 (``MALLOC_MMAP_THRESHOLD_=65536``, so that resident memory follows live memory), the peak reset
 (``/proc/self/clear_refs`` 5) before the call, and the peak's growth over the resident baseline read
 from ``VmHWM``. The logits a rank holds before the call are not counted in the growth; the table

@@ -130,7 +130,8 @@ def nothing_runs(monkeypatch):
     (["--backend", "no-such-backend"], "no backend named 'no-such-backend'"),
     (["--inplace-backward"], "only makes sense with --backward"),
     (["--op", "entropy", "--backward", "--inplace-backward"], "entropy has no inplace_backward option"),
-    (["--hidden-size", "64"], "--hidden-size only applies to ops with hidden states (logprobs_from_hidden)"),
+    (["--hidden-size", "64"],
+     "--hidden-size only applies to ops with hidden states (logprobs_from_hidden, kl_divergence)"),
     (["--op", "logprobs_from_hidden", "--hidden-size", "0"], "--hidden-size must be an integer of at least 1"),
     (["--plugin", "no_such_module_xyz"], "cannot import it"),
     (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
@@ -317,9 +318,11 @@ def test_suggestion_fits_and_refusal_gives_numbers():
 
 
 def test_the_bench_reads_its_ops_from_the_op_table():
-    # every public op giving logprobs/entropy (topk_logprobs returns ids; the shard ops have no public function)
-    assert st.bench_ops() == ("logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden")
+    # every public op giving logprobs/entropy/KL (topk_logprobs returns ids; the shard ops have no public function)
+    assert st.bench_ops() == ("logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden", "kl_divergence")
     assert [st.uses_hidden_size(op) for op in st.bench_ops()] == [op == "logprobs_from_hidden" for op in st.bench_ops()]
+    assert [st.takes_hidden_size(op) for op in st.bench_ops()] == [False, False, False, True, True]
+    assert st.hidden_weights("kl_divergence") == {"student_weight": "student", "teacher_weight": "teacher"}
 
 
 @pytest.mark.parametrize("op", st.bench_ops())
@@ -333,7 +336,8 @@ def test_workload_matches_the_reference(op, backward):
         outs = w.run(w.prepare())
         diff, grad_diffs = max_differences(s, w.inputs, outs, w.grads())
         assert 0 <= diff < tol and len(outs) == len(s.outputs)
-        wanted = set() if not backward else {"hidden", "weight"} if hidden else {"logits"}
+        wanted = set() if not backward else {"hidden", "weight"} if hidden else {"student"} if op == "kl_divergence" \
+            else {"logits"}
         assert set(grad_diffs) == set(s.grad_inputs) == wanted
         assert all(0 < d < 1e-1 for d in grad_diffs.values())  # bfloat16 gradients are rounded
     # the textbook baseline in bfloat16 is visibly worse than float32 accumulation
@@ -368,10 +372,133 @@ def test_the_op_table_makes_example_inputs_and_their_ground_truth(op):
     again = spec.example((2, 3, 40), torch.bfloat16, "cpu", seed=7, hidden_size=8)
     assert all(torch.equal(a, b) for a, b in zip(ex.args, again.args))  # the same numbers for a seed
     assert {n for n, x in ex.inputs.items() if x.requires_grad} == set(spec.grad_inputs) & set(spec.inputs)
-    want = spec.ground_truth(*(x.detach().double() if x.is_floating_point() else x for x in ex.args), **ex.options)
+    options = {k: v.detach().double() if isinstance(v, torch.Tensor) else v for k, v in ex.options.items()}
+    want = spec.ground_truth(*(x.detach().double() if x.is_floating_point() else x for x in ex.args), **options)
     assert len(want) == len(spec.output_names(ex.options)) and want[0].dtype == torch.float64
     got = spec.public()(*ex.args, backend="naive", **ex.options)
     got = got if isinstance(got, tuple) else (got,)
     assert (got[0].double() - want[0]).abs().max() < 1e-5
     with pytest.raises(ValueError, match="no example inputs"):
         OPS["shard_stats"].example((2, 40))
+
+
+# ------------------------------------------------------------------ kl_divergence
+KL_TRUTH = ("logits", None), ("hidden states", 8)
+
+
+@pytest.mark.parametrize("what, hidden", KL_TRUTH)
+@pytest.mark.parametrize("backward", [False, True])
+def test_kl_workload_matches_the_reference(what, hidden, backward):
+    """Logits, or both sides as hidden states with their own weights: the inputs, the weights passed
+    as options, gradients of the student (and its weight) only, against float64."""
+    s = st.Setting(op="kl_divergence", device="cpu", dtype="bfloat16", shape=(2, 5, 33), hidden_size=hidden,
+                   sliced=True, backward=backward)
+    tensors = {"student": [2, 4, 33], "teacher": [2, 4, 33]} if hidden is None else {
+        "student": [2, 4, 8], "teacher": [2, 4, 8], "student_weight": [33, 8], "teacher_weight": [33, 8]}
+    assert s.to_json()["inputs"] == tensors
+    assert s.grad_inputs == (() if not backward else ("student",) if hidden is None else ("student", "student_weight"))
+    for name, tol in (("naive", 1e-5), ("baseline", 1e-1)):
+        w = Workload(s, name)
+        assert set(w.inputs) == set(tensors)
+        assert w.inputs["student_weight" if hidden else "student"].dtype == torch.bfloat16
+        outs = w.run(w.prepare())
+        assert outs[0].shape == (2, 4)
+        diff, grad_diffs = max_differences(s, w.inputs, outs, w.grads())
+        assert 0 <= diff < tol, (name, diff)
+        assert set(grad_diffs) == set(s.grad_inputs)
+        assert all(0 < d < 1e-1 for d in grad_diffs.values()), grad_diffs
+        assert all(t.grad is None for n, t in w.base.items() if n.startswith("teacher"))  # a detached target
+    # the textbook formula in bfloat16 is visibly worse than float32 accumulation
+    assert max_differences(s, w.inputs, w.run(w.prepare()))[0] > 1e-3
+
+
+def test_kl_settings_take_hidden_states_only_with_a_hidden_size():
+    from logprob_registry.benchmark.session import settings
+
+    made = settings(Options(ops=["kl_divergence,logprobs_from_hidden"], preset="verl"), "cpu")
+    assert [(s.op, s.hidden_size) for s in made] == [("kl_divergence", None), ("logprobs_from_hidden", 4096)]
+    assert made[0].tensors == ("student", "teacher") and not made[0].forms_logits
+    (s,) = settings(Options(ops=["kl_divergence"], shape="1,4096,32768", hidden_size=1024, backward=True), "cpu")
+    assert s.tensors == ("student", "teacher", "student_weight", "teacher_weight") and s.forms_logits
+    assert s.input_shape("student") == (1, 4096, 1024) and s.input_shape("teacher_weight") == (32768, 1024)
+    assert s.describe() == "kl_divergence on cpu float32 1x4096x32768 H=1024, forward+backward"
+    parts = fit.estimate_bytes(s)
+    n, v, h = 4096, 32768, 1024
+    assert parts["student_weight"] == parts["teacher_weight"] == v * h * 4 and parts["student"] == n * h * 4
+    assert parts["gradients"] == (n * h + v * h) * 4
+    assert parts["baseline logits"] == 3 * n * v * 4  # both sides' logits and the student's gradient
+    # logits: both read forward; backward reads the student again and writes its gradient
+    logits = st.Setting(op="kl_divergence", device="cpu", dtype="float32", shape=(1, 4, 16), backward=True)
+    assert logits.logits_traffic_bytes == 4 * 16 * 4 * 4 and s.logits_traffic_bytes is None
+    assert st.Setting(**dict(logits.to_args(), backward=False)).logits_traffic_bytes == 2 * 4 * 16 * 4
+
+
+def test_the_kl_table_from_python_and_its_backends():
+    """``benchmark.bench`` on hidden states: the baseline forms both sides' logits, every backend
+    declaring kl_hidden runs, the student's and its weight's gradients against float64."""
+    doc = bench(ops=["kl_divergence"], device="cpu", shape=(2, 6, 96), hidden_size=16, backward=True, repeat=1,
+                warmup=0)
+    (run,) = doc["runs"]
+    assert run["grad_inputs"] == ["student", "student_weight"]
+    assert run["input_bytes"]["teacher_weight"] == 96 * 16 * 4
+    assert run["baseline"] == "each side's hidden @ weight.T, then the textbook formula in the input dtype"
+    from logprob_registry.call import key_for
+    from logprob_registry.registry import get_registry
+
+    expected = get_registry().explain(key_for("kl_divergence", device="cpu", requires_grad=True,
+                                              features={"kl_hidden"})).eligible
+    results = {r["name"]: r for r in run["results"]}
+    assert set(results) == {"baseline", *expected} and "naive" in results
+    for r in results.values():
+        assert r["status"] == "ok", r
+        assert r["max_abs_diff"] < 1e-5 and all(d < 1e-5 for d in r["max_abs_diff_grads"].values()), r
+        assert r["bandwidth_bytes_per_s"] is None
+    table = render(doc)
+    assert "max |student grad diff|" in table and "max |student_weight grad diff|" in table
+    assert "the logits this op reduces, 2x6x96 in float32" in table and "the weight gradient, 0.0 MiB" in table
+
+
+def test_bench_of_kl_over_logits_prints_its_table():
+    proc = subprocess.run(
+        [sys.executable, "-m", "logprob_registry", "bench", "--op", "kl_divergence", "--device", "cpu",
+         "--shape", "2,16,128", "--backward", "--repeat", "1", "--warmup", "0"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "kl_divergence on cpu float32 2x16x128, forward+backward"
+    assert "against the baseline (the textbook formula in the input dtype)" in proc.stdout
+    rows = {line.split()[0]: line.split() for line in lines if line[:1].isalpha() and "  " in line}
+    assert {"baseline", "naive"} <= set(rows) and "liger-kl" not in rows  # Liger: CUDA only
+    assert "the logits this op reduces" not in proc.stdout
+
+
+class _FakeLigerKLDIVLoss(torch.nn.KLDivLoss):
+    """What liger_kernel.transformers.LigerKLDIVLoss computes (an nn.KLDivLoss), without Triton."""
+
+    def __init__(self, eps: float = 1e-10, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+
+
+def test_the_liger_row_appears_only_where_liger_imports_on_cuda(monkeypatch):
+    from logprob_registry.benchmark import workload
+
+    cuda = st.Setting(op="kl_divergence", device="cuda", dtype="float32", shape=(2, 3, 40))
+    monkeypatch.setattr(workload, "liger_available", lambda: False)
+    assert workload.external_methods(cuda) == []
+    monkeypatch.setattr(workload, "liger_available", lambda: True)
+    assert [n for n, _ in workload.external_methods(cuda)] == ["liger-kl"]
+    assert workload.external_methods(st.Setting(**dict(cuda.to_args(), device="cpu"))) == []
+    assert workload.external_methods(st.Setting(op="logprobs", device="cuda", dtype="float32", shape=(2, 3, 40))) == []
+    # the call itself, with a stand-in for Liger's module: the KL per position, in both directions
+    fake = type(sys)("liger_kernel.transformers")
+    fake.LigerKLDIVLoss = _FakeLigerKLDIVLoss
+    monkeypatch.setitem(sys.modules, "liger_kernel", type(sys)("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    for direction in ("forward", "reverse"):
+        s = st.Setting(op="kl_divergence", device="cpu", dtype="float32", shape=(2, 3, 40), backward=True)
+        s_options = dict(direction=direction, temperature=2.0)
+        ex = s.spec.example(s.shape, torch.float32, "cpu", requires_grad=True, seed=3)
+        got = workload.liger_kl(ex.inputs, s_options)
+        want = s.spec.ground_truth(*(x.detach().double() for x in ex.args), **s_options)[0]
+        assert got.shape == (2, 3) and (got.double() - want).abs().max() < 1e-5
+        assert (workload.textbook_kl(ex.inputs, s_options).double() - want).abs().max() < 1e-5

@@ -221,11 +221,14 @@ def test_values_that_mean_keep_everything_are_the_default_with_a_group_too():
 
 
 def test_the_shard_ops_are_in_the_op_table_without_a_public_function():
-    assert SHARD_OPS == ("shard_stats", "shard_grad", "hidden_shard_stats", "hidden_shard_grad")
+    logprob_shards = ("shard_stats", "shard_grad", "hidden_shard_stats", "hidden_shard_grad")
+    assert SHARD_OPS == logprob_shards + ("kl_shard_stats", "kl_shard_grad")
     with pytest.raises(ValueError, match="has no public function: the distributed core calls it"):
         OPS["shard_stats"].public()
     for name in ("chunked", "compiled", "triton", "naive"):
-        assert set(SHARD_OPS) <= set(lr.get_registry().get(name).ops), name
+        assert set(logprob_shards) <= set(lr.get_registry().get(name).ops), name
+    for name in ("chunked", "naive"):  # kl_divergence(..., process_group=...)
+        assert {"kl_shard_stats", "kl_shard_grad"} <= set(lr.get_registry().get(name).ops), name
     invariant = {b.name for b in lr.backends() if b.group_invariant}
     assert {"chunked", "compiled", "triton"} <= invariant and "naive" not in invariant
 
@@ -414,6 +417,18 @@ def _two_ranks(rank, world):
     except Exception as exc:
         out["backward"] = (type(exc).__name__, str(exc), repr(exc.__cause__))
     out["after"] = lr.logprobs_from_logits(mine, y, process_group=dist.group.WORLD, backend="chunked")  # in step
+    # after backward nothing but the graph's saved tensors held the shard: a non-leaf shard is freed
+    import gc
+    import weakref
+
+    base = mine.clone().requires_grad_(True)
+    shard = base * 1.0
+    kept = weakref.ref(shard)
+    lp = lr.logprobs_from_logits(shard, y, process_group=dist.group.WORLD, backend="chunked")
+    lp.sum().backward()
+    del shard
+    gc.collect()
+    out["freed"] = kept() is None and lp.grad_fn is not None
     return out
 
 
@@ -425,6 +440,7 @@ def test_subgroups_and_a_backward_failing_on_one_rank():
         assert r["backward"][0] == "BackwardFailedError"
         assert "failed on 1 rank(s) of the group" in r["backward"][1]
         assert torch.equal(r["after"], ranks[0]["after"])
+        assert r["freed"]  # the autograd context keeps no reference to the shard besides its saved tensors
     assert "out of registers on rank 1" in ranks[1]["backward"][2] and ranks[0]["backward"][2] == "None"
 
 

@@ -200,6 +200,14 @@ def _errors(mesh, x, y, world):
         distribute_tensor(h, other, [Replicate()]), distribute_tensor(w, mesh, [Shard(0)]), y[:, 0]))
     raises(TypeError, "labels is a DTensor but logits is a plain", lambda: lr.logprobs_from_logits(
         x, distribute_tensor(y, mesh, [Replicate()])))
+    raises(NotImplementedError, "kl_divergence with DTensor inputs is not supported yet",
+           lambda: lr.kl_divergence(d, d))
+    if world == 4:  # plain hidden states with a weight on a 2-D mesh: which rows they are is unknown
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh2 = init_device_mesh("cpu", (2, 2))
+        raises(ValueError, "pass the hidden states as a DTensor on that mesh", lambda: lr.logprobs_from_hidden(
+            h, distribute_tensor(w, mesh2, [Replicate(), Shard(0)]), y[:, 0]))
 
 
 def _checks(rank, world):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from logprob_registry.testing.sections.distill import CASES as KL_CASES
 from logprob_registry.testing.sections.hidden import VARIANTS as HIDDEN_VARIANTS
 from logprob_registry.testing.sections.logits import STRIDED
 
@@ -168,6 +169,41 @@ class LogProbs(torch.autograd.Function):
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward):
     return LogProbs.apply(logits, labels, temperature, ignore_index)
 ''', "", "test_double_backward or test_gradients and float32", {"test_double_backward[logprobs]"}),
+    "bad-kl-swapped-direction": (
+        '''
+def kl(student, teacher, *, direction, temperature, mask, tail, student_weight=None, teacher_weight=None,
+       support=None):
+    swapped = "reverse" if direction == "forward" else "forward"  # KL(student || teacher) for "forward"
+    return ref.kl_divergence(student, teacher, dtype=kit.result_dtype(student.dtype), direction=swapped,
+                             temperature=temperature, mask=mask, tail=tail, student_weight=student_weight,
+                             teacher_weight=teacher_weight, support=support)
+
+
+OPS = {"kl_divergence": kl}
+''', 'features={"kl_hidden", "kl_support"}', "test_kl_values or test_kl_teacher",
+        {f"test_kl_values[{case}-{d}]" for case in KL_CASES for d in ("float32", "bfloat16", "float64")}),
+    "bad-kl-tail-as-one-minus-sum": (
+        '''
+def kl(student, teacher, *, direction, temperature, mask, tail, support=None):
+    dtype = kit.result_dtype(student.dtype)
+    if support is None or not tail:
+        return ref.kl_divergence(student, teacher, dtype=dtype, direction=direction, temperature=temperature,
+                                 mask=mask, tail=tail, support=support)
+
+    def buckets(x):
+        inside = (x.to(dtype) / temperature).log_softmax(-1).gather(-1, support.long())
+        return torch.cat([inside, torch.log(1 - inside.exp().sum(-1, keepdim=True))], -1)  # the tail: log(1 - sum p)
+
+    log_s, log_t = buckets(student), buckets(teacher.detach())
+    log_p, log_q = (log_t, log_s) if direction == "forward" else (log_s, log_t)
+    out = ref.kl_terms(log_p, log_q).sum(-1)
+    return out if mask is None else torch.where(mask, out, torch.zeros_like(out))
+
+
+OPS = {"kl_divergence": kl}
+''', 'features={"kl_support"}', "test_kl_support or test_kl_values[forward-float32]",
+        {f"test_kl_support_tail_accuracy[{d}]" for d in ("forward", "reverse")}  # the tail of mass 1e-9
+        | {f"test_kl_support[{d}-tail-{t}]" for d in ("forward", "reverse") for t in ("float32", "bfloat16")}),  # K = V
 }
 
 # A correct backend a sensible design gives: 64 rows at a time in float32 (three 8 MiB temporaries

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional, Tuple
 
-from .settings import INPUTS, REFERENCE_CHUNK_ELEMENTS, Setting
+from .settings import REFERENCE_CHUNK_ELEMENTS, Setting
 
 
 def estimate_bytes(s: Setting) -> Dict[str, int]:
@@ -17,24 +17,29 @@ def estimate_bytes(s: Setting) -> Dict[str, int]:
     their gradient); the workspace of the hungriest likely method, the float32 textbook one
     (``naive``), as measured: a float32 copy of the logits and their log-softmax, in backward one
     more float32 tensor of that size, for the entropy one more again, and float32 copies of
-    half-precision weights; the float64 reference: a chunk of rows, plus a float64 copy of the
-    weight (and, in backward, its gradient and one product of that size).
+    half-precision weights; for ``kl_divergence`` (two sides) the textbook formula's log-softmax of
+    each side, the teacher's probabilities, their difference and product (in backward, as many
+    again); the float64 reference: a chunk of rows, plus a float64 copy of the weight (and, in
+    backward, its gradient and one product of that size).
     """
     b, t, v = s.shape
     bl, tl, _ = s.logits_shape
     m = bl * tl * v  # elements of the logits the op reduces
     work_item = max(4, s.itemsize)
     grads = sum(s.input_bytes(n) for n in s.grad_inputs)
-    shared = [n for n in s.spec.inputs if not INPUTS[n].per_token and not INPUTS[n].integer]
+    shared = [n for n in s.tensors if not s.kind(n).per_token and not s.kind(n).integer]
     shared_elements = sum(s.input_bytes(n) // s.itemsize for n in shared)
-    parts = {name: s.input_bytes(name) for name in s.spec.inputs}
+    formed = sum(s.kind(n).dims == "...H" for n in s.spec.inputs)  # logits the baseline forms (one per side)
+    kl = "kl" in s.outputs
+    parts = {name: s.input_bytes(name) for name in s.tensors}
     parts.update({
         "gradients": grads,
         "in-place copy": grads if s.inplace_backward else 0,
-        "baseline logits": m * s.itemsize * (2 if s.backward else 1) if "logits" not in s.spec.inputs else 0,
-        "workspace": m * work_item * ((3 if s.backward else 2) + ("entropy" in s.outputs)),
+        "baseline logits": m * s.itemsize * (formed + (1 if s.backward else 0)) if formed else 0,
+        "workspace": m * work_item * ((10 if s.backward else 5) if kl else
+                                      (3 if s.backward else 2) + ("entropy" in s.outputs)),
         "float32 copies": shared_elements * 4 * (2 if s.backward else 1) if s.itemsize < 4 else 0,
-        "float64 reference": (min(m, max(v, REFERENCE_CHUNK_ELEMENTS)) * 8 * 6
+        "float64 reference": (min(m, max(v, REFERENCE_CHUNK_ELEMENTS)) * 8 * (12 if kl else 6)
                               + shared_elements * 8 * (3 if s.backward else 1)),
     })
     return parts

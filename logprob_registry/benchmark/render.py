@@ -84,8 +84,9 @@ def render_run(run: dict) -> str:
     if bandwidth:
         lines.append("GB/s: the bytes the op must move (the logits read once; in backward read again and "
                      "the gradient written) per second of median time")
-    if "logits" not in s.get("inputs", {"logits": None}):
-        weight_grad = (run.get("input_bytes") or {}).get("weight") if "weight" in grads else None
+    if s.get("hidden_size"):
+        weights = [g for g in grads if g == "weight" or g.endswith("_weight")]
+        weight_grad = sum((run.get("input_bytes") or {}).get(g, 0) for g in weights)
         also = (f"; the weight gradient, {fmt_bytes(weight_grad)}, is part of every backward's peak"
                 if weight_grad else "")
         lines.append(f"the logits this op reduces, {'x'.join(map(str, s['logits_shape']))} in {s['dtype']}, "

@@ -30,6 +30,7 @@ from .settings import (
     canonical_dtype,
     parse_list,
     parse_shape,
+    takes_hidden_size,
     uses_hidden_size,
 )
 
@@ -109,12 +110,20 @@ def settings(options: Options, default_device: str) -> List[Setting]:
             shape, sliced, dtype, hidden = p.shape, p.sliced or options.sliced, p.dtype, p.hidden_size
     except ValueError as exc:
         raise BenchError(str(exc)) from None
-    hidden_ops = [op for op in ops if uses_hidden_size(op)]
+    hidden_ops = [op for op in ops if takes_hidden_size(op)]
     if options.hidden_size is not None and not hidden_ops:
-        with_h = [op for op in known if uses_hidden_size(op)]
+        with_h = [op for op in known if takes_hidden_size(op)]
         raise BenchError(f"--hidden-size only applies to ops with hidden states ({', '.join(with_h)}), "
                          f"not to {', '.join(ops)}")
     hidden = options.hidden_size or hidden or DEFAULT_HIDDEN_SIZE
+
+    def hidden_size(op: str) -> Optional[int]:
+        # always hidden states (logprobs_from_hidden): the hidden size; optionally (kl_divergence):
+        # hidden states only when --hidden-size is given, logits otherwise
+        if uses_hidden_size(op):
+            return hidden
+        return options.hidden_size if op in hidden_ops else None
+
     inplace_ops = [op for op in ops if "inplace_backward" in OPS[op].option_index]
     if options.inplace_backward and not inplace_ops:
         with_inplace = [op for op in known if "inplace_backward" in OPS[op].option_index]
@@ -124,7 +133,7 @@ def settings(options: Options, default_device: str) -> List[Setting]:
         raise BenchError("slicing [:, :-1] needs a sequence length T of at least 2")
     device = options.device or default_device
     return [
-        Setting(op=op, device=device, dtype=d, shape=shape, hidden_size=hidden if op in hidden_ops else None,
+        Setting(op=op, device=device, dtype=d, shape=shape, hidden_size=hidden_size(op),
                 sliced=sliced, backward=options.backward,
                 inplace_backward=options.inplace_backward and op in inplace_ops, repeat=options.repeat,
                 warmup=options.warmup, threads=options.threads, preset=preset)
@@ -179,12 +188,16 @@ def methods(s: Setting, only: Sequence[str]) -> Tuple[List[dict], object]:
     be eligible), and the explanation they come from."""
     import logprob_registry as lr
 
-    from .workload import BASELINE, baseline_description
+    from ..call import key_for
+    from ..registry import get_registry
+    from .workload import BASELINE, baseline_description, external_methods
 
     # the call's shape: its vocabulary bucket can matter (min_vocab, a tuning ranking); every backend
-    # that can run it is measured, also one the automatic choice passes over for this size
-    expl = lr.explain(s.op, device=s.device_type, dtype=s.torch_dtype, requires_grad=s.backward,
-                      shape=s.logits_shape)
+    # that can run it is measured, also one the automatic choice passes over for this size; the
+    # features its options need (kl_divergence's weights: kl_hidden) narrow the backends
+    features = s.spec.features_used({n: True for n in s.hidden_weights})
+    expl = get_registry().explain(key_for(s.op, device=s.device_type, dtype=s.torch_dtype,
+                                          requires_grad=s.backward, features=features, vocab=s.logits_shape[-1]))
     names = [c.name for c in expl.candidates if c.reason is None and c.broken is None]
     for name in only:
         if name not in names:
@@ -195,8 +208,10 @@ def methods(s: Setting, only: Sequence[str]) -> Tuple[List[dict], object]:
             raise BenchError(f"--backend {name} cannot run {expl.key.describe()}: {why}")
     names = [n for n in names if n in only] if only else names
     backends = {b.name: b for b in lr.backends()}
-    found = [dict(name=BASELINE, kind="baseline", description=baseline_description(s.spec), priority=None,
+    found = [dict(name=BASELINE, kind="baseline", description=baseline_description(s), priority=None,
                   origin=None, automatic_choice=False)]
+    found += [dict(name=n, kind="external", description=doc, priority=None, origin=None, automatic_choice=False)
+              for n, doc in external_methods(s)]
     for n in names:
         b = backends[n]
         found.append(dict(name=n, kind="backend", description=b.description, priority=b.priority,
@@ -253,8 +268,8 @@ class Session:
             b, t, v = s.logits_shape
             runs.append(dict(
                 title=s.describe(), settings=s.to_json(), rounds=self.options.rounds,
-                memory_method=measure.memory_method(s.device_type), baseline=baseline_description(s.spec, short=True),
-                logits_bytes=b * t * v * s.itemsize, input_bytes={n: s.input_bytes(n) for n in s.spec.inputs},
+                memory_method=measure.memory_method(s.device_type), baseline=baseline_description(s, short=True),
+                logits_bytes=b * t * v * s.itemsize, input_bytes={n: s.input_bytes(n) for n in s.tensors},
                 grad_inputs=list(s.grad_inputs), eligible=expl.eligible, automatic_choice=expl.chosen,
                 results=results,
             ))

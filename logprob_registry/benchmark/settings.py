@@ -3,34 +3,55 @@ op's inputs are shaped.
 
 The ops and their inputs come from the op table (:data:`logprob_registry.opspec.OPS`): each input is
 made by name (:data:`logprob_registry.opspec.INPUTS`, through the op's example maker), not by op,
-so an op whose inputs are all in :data:`INPUTS` is benchmarked with no change here.
+so an op whose inputs are all in :data:`INPUTS` is benchmarked with no change here. An op whose
+inputs may also be hidden states, each with its own weight (``kl_divergence``: ``student`` with the
+option ``student_weight``, ``teacher`` with ``teacher_weight``; :func:`hidden_weights`), is benched on
+hidden states when a hidden size is given, on logits otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
 from ..dtypes import DTYPE_NAMES, dtype_name
-from ..opspec import INPUTS, OPS, OpSpec
+from ..opspec import INPUTS, OPS, InputKind, OpSpec
 
 DEFAULT_HIDDEN_SIZE = 2048
 
 
+#: The outputs the textbook baseline computes (:data:`logprob_registry.benchmark.workload.TEXTBOOK`).
+BASELINE_OUTPUTS = frozenset({"logprobs", "entropy", "kl"})
+
+
 def bench_ops() -> Tuple[str, ...]:
-    """The public ops of the op table that give log-probabilities and/or entropies and whose every
-    input the bench can make (topk_logprobs, which returns ids, has no baseline to compare with)."""
+    """The public ops of the op table that give log-probabilities, entropies or a KL divergence and
+    whose every input the bench can make (topk_logprobs, which returns ids, has no baseline to
+    compare with)."""
     return tuple(name for name, spec in OPS.items()
                  if spec.function is not None and spec.examples is not None
-                 and set(spec.outputs) <= {"logprobs", "entropy"} and set(spec.inputs) <= set(INPUTS))
+                 and set(spec.outputs) <= BASELINE_OUTPUTS and set(spec.inputs) <= set(INPUTS))
 
 
 def uses_hidden_size(op: str) -> bool:
-    """Whether one of ``op``'s inputs has the hidden size H in its shape."""
+    """Whether one of ``op``'s inputs always has the hidden size H in its shape (``logprobs_from_hidden``)."""
     return any("H" in INPUTS[i].dims for i in OPS[op].inputs if i in INPUTS)
+
+
+def hidden_weights(op: str) -> Mapping[str, str]:
+    """The options of ``op`` that turn an input into hidden states, by option: ``{"student_weight":
+    "student", "teacher_weight": "teacher"}`` for ``kl_divergence`` (an option ``<input>_weight``),
+    empty for the other ops."""
+    spec = OPS[op]
+    return {f"{i}_weight": i for i in spec.inputs if f"{i}_weight" in spec.option_index}
+
+
+def takes_hidden_size(op: str) -> bool:
+    """Whether ``--hidden-size`` applies to ``op``: always hidden states, or optionally (:func:`hidden_weights`)."""
+    return uses_hidden_size(op) or bool(hidden_weights(op))
 
 
 class Preset(NamedTuple):
@@ -59,7 +80,9 @@ class Setting:
 
     ``shape`` is the (B, T, V) of the logits the op reduces (given, or formed from hidden states of
     size ``hidden_size``); with ``sliced`` the methods get ``x[:, :-1]`` of every per-token input
-    and ``labels[:, 1:]`` (non-contiguous views, as trainers pass them).
+    and ``labels[:, 1:]`` (non-contiguous views, as trainers pass them). For an op that optionally
+    takes hidden states (:func:`hidden_weights`), ``hidden_size`` set means every such input is hidden
+    states ``(B, T, H)`` with its weight ``(V, H)`` (passed as the op's ``*_weight`` option).
     """
 
     op: str
@@ -105,16 +128,41 @@ class Setting:
         return self.spec.output_names(self.options)
 
     @property
+    def hidden_weights(self) -> Mapping[str, str]:
+        """The weight options this setting passes, by option: the input each turns into hidden
+        states (:func:`hidden_weights`; none without a hidden size, or for ops that have none)."""
+        return hidden_weights(self.op) if self.hidden_size else {}
+
+    @property
+    def tensors(self) -> Tuple[str, ...]:
+        """The tensors of every call: the op's inputs, then the weight options it passes."""
+        return tuple(self.spec.inputs) + tuple(self.hidden_weights)
+
+    @property
     def grad_inputs(self) -> Tuple[str, ...]:
-        """The inputs whose gradients the backward computes (none forward only)."""
+        """The tensors whose gradients the backward computes (none forward only)."""
         if not self.backward:
             return ()
-        return tuple(n for n in self.spec.grad_inputs if n in self.spec.inputs)
+        return tuple(n for n in self.spec.grad_inputs if n in self.tensors)
+
+    def kind(self, name: str) -> InputKind:
+        """How tensor ``name`` is shaped (:data:`INPUTS`): a weight option as ``weight``, an input
+        it turns into hidden states as ``hidden``."""
+        weights = self.hidden_weights
+        if name in weights:
+            return INPUTS["weight"]
+        if name in weights.values():
+            return INPUTS["hidden"]
+        return INPUTS[name]
+
+    def per_token(self, name: str) -> bool:
+        """Whether tensor ``name`` has one entry per position (its leading dims are the positions')."""
+        return self.kind(name).per_token
 
     def input_shape(self, name: str, seen: bool = True) -> Tuple[int, ...]:
-        """The shape of input ``name`` as allocated (``seen=False``) or as the methods see it."""
+        """The shape of tensor ``name`` as allocated (``seen=False``) or as the methods see it."""
         b, t, v = self.shape
-        kind = INPUTS[name]
+        kind = self.kind(name)
         shape = kind.shape((b, t), v, self.hidden_size or 0)
         if seen and self.sliced and kind.per_token:
             shape = (shape[0], shape[1] - 1) + shape[2:]
@@ -124,7 +172,12 @@ class Setting:
         n = 1
         for d in self.input_shape(name, seen=False):
             n *= d
-        return n * (8 if INPUTS[name].integer else self.itemsize)
+        return n * (8 if self.kind(name).integer else self.itemsize)
+
+    @property
+    def forms_logits(self) -> bool:
+        """Whether the op forms its logits from hidden states (so no bound on the bytes it moves)."""
+        return any("H" in self.kind(n).dims for n in self.tensors)
 
     @property
     def logits_shape(self) -> Tuple[int, int, int]:
@@ -134,12 +187,15 @@ class Setting:
 
     @property
     def logits_traffic_bytes(self) -> Optional[int]:
-        """The bytes an op given logits must move at least: the logits read once forward; read
-        again and their gradient written backward. None for ops that form their logits."""
-        if "logits" not in self.spec.inputs:
+        """The bytes an op given logits must move at least: each logits-shaped input (the logits;
+        the student's and the teacher's) read once forward; those that get a gradient read again
+        and their gradient written backward. None for ops that form their logits."""
+        if self.forms_logits:
             return None
         b, t, v = self.logits_shape
-        return b * t * v * self.itemsize * (3 if self.backward else 1)
+        vocab_inputs = [n for n in self.tensors if self.kind(n).dims == "...V"]
+        reads = len(vocab_inputs) + 2 * len([n for n in vocab_inputs if n in self.grad_inputs])
+        return b * t * v * self.itemsize * reads
 
     @property
     def mode(self) -> str:
@@ -162,7 +218,7 @@ class Setting:
         d = dataclasses.asdict(self)
         d.update(shape=list(self.shape), logits_shape=list(self.logits_shape), mode=self.mode,
                  device_type=self.device_type,
-                 inputs={n: list(self.input_shape(n)) for n in self.spec.inputs})
+                 inputs={n: list(self.input_shape(n)) for n in self.tensors})
         return d
 
 

@@ -4,37 +4,102 @@ textbook baseline), and the largest difference from a float64 reference.
 Everything here is driven by the op table: the inputs are the op's example inputs
 (:meth:`~logprob_registry.opspec.OpSpec.example`), a backend is called through the op's public
 function, the reference is the op's ground truth (:meth:`~logprob_registry.opspec.OpSpec.ground_truth`),
-and the baseline reduces the op's logits (given, or ``hidden @ weight.T``) to each of its outputs.
+and the baseline reduces the op's logits (given, or ``hidden @ weight.T``) to each of its outputs
+(``kl_divergence``: the log-softmax of both sides' logits, then the sum). Where ``liger_kernel``
+imports and the device is CUDA, ``kl_divergence`` also gets a row for Liger-Kernel's KL loss
+(:data:`EXTERNAL`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from ..opspec import INPUTS, OpSpec
 from .settings import REFERENCE_CHUNK_ELEMENTS, Setting
 
 BASELINE = "baseline"
+LIGER = "liger-kl"
 
 
-def baseline_description(spec: OpSpec, short: bool = False) -> str:
-    """What the baseline does for ``spec``'s op (``short``: for a table's heading)."""
-    form = "hidden @ weight.T, then " if "logits" not in spec.inputs else ""
+def baseline_description(s: Setting, short: bool = False) -> str:
+    """What the baseline does for setting ``s`` (``short``: for a table's heading)."""
+    if "kl" in s.outputs:
+        form = "each side's hidden @ weight.T, then " if s.forms_logits else ""
+        if short:
+            return f"{form}the textbook formula in the input dtype"
+        return (f"the textbook formula in the input dtype: {form}log_softmax of the student's and the teacher's "
+                "logits, then sum(p * (log p - log q)) over the vocabulary")
+    form = "hidden @ weight.T, then " if s.forms_logits else ""
     if short:
         return f"{form}the textbook formula in the input dtype"
     return (f"the textbook formula in the input dtype: {form}log_softmax + gather, and -sum(p * log p) "
             "for the entropy (the seeds' starting point)")
 
 
-def op_logits(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def op_logits(inputs: Mapping[str, torch.Tensor], side: str = "logits") -> torch.Tensor:
     """The logits an op reduces: its ``logits`` input, or ``hidden @ weight.T`` formed in the
-    inputs' dtype (what a trainer does without the fused op)."""
+    inputs' dtype (what a trainer does without the fused op). ``side``: ``kl_divergence``'s
+    ``student`` or ``teacher``, given as logits, or as hidden states with its ``*_weight``."""
+    if side != "logits":
+        weight = inputs.get(f"{side}_weight")
+        return inputs[side] if weight is None else inputs[side] @ weight.T
     if "logits" in inputs:
         return inputs["logits"]
     return inputs["hidden"] @ inputs["weight"].T
+
+
+def kl_log_softmaxes(inputs: Mapping[str, torch.Tensor], options: Mapping[str, Any]) -> Tuple[torch.Tensor, ...]:
+    """``(log p, log q)`` of KL(p || q) as ``kl_divergence`` defines it (``direction`` forward:
+    p the teacher's, q the student's; reverse: swapped), each the log-softmax of a side's tempered
+    logits in the inputs' dtype; the teacher detached."""
+    temperature = options.get("temperature", 1.0)
+    student, teacher = op_logits(inputs, "student"), op_logits(inputs, "teacher").detach()
+    if temperature != 1.0:
+        student, teacher = student / temperature, teacher / temperature
+    log_q, log_p = student.log_softmax(-1), teacher.log_softmax(-1)
+    return (log_p, log_q) if options.get("direction", "forward") == "forward" else (log_q, log_p)
+
+
+def textbook_kl(inputs: Mapping[str, torch.Tensor], options: Mapping[str, Any]) -> torch.Tensor:
+    """The textbook KL per position: ``sum(p * (log p - log q))`` over the vocabulary."""
+    log_p, log_q = kl_log_softmaxes(inputs, options)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def liger_kl(inputs: Mapping[str, torch.Tensor], options: Mapping[str, Any]) -> torch.Tensor:
+    """Liger-Kernel's KL loss (``LigerKLDIVLoss(reduction="none", log_target=True)``, a Triton kernel)
+    on the two log-softmaxes, summed over the vocabulary: what a trainer using Liger writes."""
+    from liger_kernel.transformers import LigerKLDIVLoss
+
+    log_p, log_q = kl_log_softmaxes(inputs, options)
+    v = log_q.shape[-1]
+    loss = LigerKLDIVLoss(reduction="none", log_target=True)(log_q.reshape(-1, v), log_p.reshape(-1, v))
+    return loss.sum(-1).reshape(log_q.shape[:-1])
+
+
+def liger_available() -> bool:
+    """Whether ``liger_kernel`` can be imported here (checked without importing it)."""
+    try:
+        return importlib.util.find_spec("liger_kernel") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+#: Methods that are neither a backend nor the baseline: name -> (description, whether it runs a
+#: setting, the call). Liger-Kernel's KL loss, for ``kl_divergence`` on CUDA where it imports.
+EXTERNAL: Dict[str, Tuple[str, Callable[[Setting], bool], Callable[..., torch.Tensor]]] = {
+    LIGER: ("Liger-Kernel's LigerKLDIVLoss(reduction='none', log_target=True) on the log_softmax of both "
+            "sides (Triton; rows appear only where liger_kernel imports and the device is CUDA)",
+            lambda s: "kl" in s.outputs and s.device_type == "cuda" and liger_available(), liger_kl),
+}
+
+
+def external_methods(s: Setting) -> List[Tuple[str, str]]:
+    """The external methods (:data:`EXTERNAL`) measured for ``s``: ``(name, description)``."""
+    return [(name, doc) for name, (doc, runs, _) in EXTERNAL.items() if runs(s)]
 
 
 #: Each output an op may return, from the log-softmax of its logits: the textbook formulas.
@@ -44,26 +109,39 @@ TEXTBOOK: Dict[str, Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tenso
 }
 
 
-def baseline(inputs: Mapping[str, torch.Tensor], outputs: Tuple[str, ...]) -> Tuple[torch.Tensor, ...]:
+def baseline(inputs: Mapping[str, torch.Tensor], outputs: Tuple[str, ...],
+             options: Optional[Mapping[str, Any]] = None) -> Tuple[torch.Tensor, ...]:
+    if outputs == ("kl",):
+        return (textbook_kl(inputs, options or {}),)
     logp = op_logits(inputs).log_softmax(-1)
     return tuple(TEXTBOOK[o](logp, inputs.get("labels")) for o in outputs)
 
 
+def _call_args(s: Setting, inputs: Mapping[str, torch.Tensor]) -> Tuple[Tuple[torch.Tensor, ...], Dict[str, Any]]:
+    """The op's positional inputs and keyword options (the weight options among them) for ``inputs``."""
+    return tuple(inputs[n] for n in s.spec.inputs), dict(s.options, **{n: inputs[n] for n in s.hidden_weights})
+
+
 def reference(s: Setting, inputs: Mapping[str, torch.Tensor]) -> Tuple[torch.Tensor, ...]:
     """The outputs of ``s``'s call in float64: the op table's ground truth (inputs already float64)."""
-    return s.spec.ground_truth(*(inputs[n] for n in s.spec.inputs), **s.options)
+    args, options = _call_args(s, inputs)
+    return s.spec.ground_truth(*args, **options)
 
 
 def method(s: Setting, name: str) -> Callable[[Mapping[str, torch.Tensor]], Tuple[torch.Tensor, ...]]:
     """``f(inputs)`` running ``s.op`` through backend ``name`` (its public function, with
-    ``backend=name``), or the baseline; the outputs as a tuple."""
-    spec, outputs = s.spec, s.outputs
+    ``backend=name``), the baseline, or an external method (:data:`EXTERNAL`); the outputs as a tuple."""
+    spec, outputs, options = s.spec, s.outputs, s.options
     if name == BASELINE:
-        return lambda inputs: baseline(inputs, outputs)
-    public, options = spec.public(), s.options
+        return lambda inputs: baseline(inputs, outputs, options)
+    if name in EXTERNAL:
+        external = EXTERNAL[name][2]
+        return lambda inputs: (external(inputs, options),)
+    public = spec.public()
 
     def call(inputs: Mapping[str, torch.Tensor]) -> Tuple[torch.Tensor, ...]:
-        result = public(*(inputs[n] for n in spec.inputs), backend=name, **options)
+        args, kwargs = _call_args(s, inputs)
+        result = public(*args, backend=name, **kwargs)
         return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 
     return call
@@ -82,7 +160,8 @@ class Workload:
         self.s = s
         self.fn = method(s, name)
         example = s.spec.example(s.shape, s.torch_dtype, s.device, seed=s.seed, hidden_size=s.hidden_size)
-        self.base: Dict[str, torch.Tensor] = dict(example.inputs)
+        # the inputs, then the weight options (kl_divergence's hidden states)
+        self.base: Dict[str, torch.Tensor] = dict(example.inputs, **{n: example.options[n] for n in s.hidden_weights})
         self.leaves: Dict[str, torch.Tensor] = {}
         if not s.inplace_backward:
             for n in s.grad_inputs:
@@ -90,7 +169,7 @@ class Workload:
 
     def view(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """What the methods see of input ``name``: with ``--slice``, ``[:, :-1]`` (labels ``[:, 1:]``)."""
-        if not (self.s.sliced and INPUTS[name].per_token):
+        if not (self.s.sliced and self.s.per_token(name)):
             return t
         return t[:, 1:] if name == "labels" else t[:, :-1]
 
@@ -153,8 +232,8 @@ def max_differences(
     grads = dict(grads or {})
     any_input = next(iter(inputs.values()))
     ref_device = any_input.device if any_input.device.type != "mps" else torch.device("cpu")  # MPS: no float64
-    per_token = [n for n in inputs if INPUTS[n].per_token]
-    shared = {n: inputs[n].to(ref_device, torch.float64 if not INPUTS[n].integer else inputs[n].dtype)
+    per_token = [n for n in inputs if s.per_token(n)]
+    shared = {n: inputs[n].to(ref_device, torch.float64 if not s.kind(n).integer else inputs[n].dtype)
               .requires_grad_(n in grads) for n in inputs if n not in per_token}
     b, t = inputs[per_token[0]].shape[:2]
     rows = max(1, REFERENCE_CHUNK_ELEMENTS // s.shape[2])
@@ -166,7 +245,7 @@ def max_differences(
             chunk = dict(shared)
             for n in per_token:
                 x = inputs[n][idx].to(ref_device)
-                if not INPUTS[n].integer:
+                if not s.kind(n).integer:
                     x = x.to(torch.float64).requires_grad_(n in grads)
                 chunk[n] = x
             expected = reference(s, chunk)

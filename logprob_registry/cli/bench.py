@@ -31,14 +31,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden-size", type=int, metavar="H",
                         help="for ops taking hidden states (B, T, H) and a weight (V, H): H "
                              f"(default {DEFAULT_HIDDEN_SIZE}, or the preset's: "
-                             + ", ".join(f"{k} {p.hidden_size}" for k, p in PRESETS.items()) + ")")
+                             + ", ".join(f"{k} {p.hidden_size}" for k, p in PRESETS.items()) + "); "
+                             "kl_divergence takes logits unless it is given, and then both sides as hidden "
+                             "states with their own weights")
     parser.add_argument("--slice", action="store_true",
                         help="feed x[:, :-1] and labels[:, 1:], non-contiguous, as trainers do (the trlx preset does)")
     parser.add_argument("--op", action="append", default=[], metavar="OP[,OP]",
                         help=f"op(s) to measure: {', '.join(bench_ops())} (default logprobs)")
     parser.add_argument("--backward", action="store_true",
                         help="measure forward + backward of the sum of the result (gradients of every "
-                             "differentiable input: logits, or hidden and weight)")
+                             "differentiable input: logits, or hidden and weight; kl_divergence's student only)")
     parser.add_argument("--inplace-backward", action="store_true",
                         help="with --backward: pass inplace_backward=True to the ops that take it "
                              "(each call gets a fresh copy of the logits)")

@@ -34,6 +34,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 #: The arguments that may be DTensors.
 _DTENSOR_ARGS = ("logits", "hidden", "weight", "bias", "labels")
+#: kl_divergence's arguments that may be DTensors (refused with a sentence: not built yet).
+_KL_ARGS = ("student", "teacher", "student_weight", "teacher_weight", "mask", "support")
 
 _REDISTRIBUTE = ("redistribute it first (x.redistribute(mesh, placements)), or pass x.to_local() / "
                  "x.full_tensor() as a plain tensor")
@@ -41,7 +43,7 @@ _REDISTRIBUTE = ("redistribute it first (x.redistribute(mesh, placements)), or p
 
 def involved(given: Mapping[str, Any]) -> bool:
     """Whether any argument of a public function's call is a DTensor."""
-    for name in _DTENSOR_ARGS:
+    for name in _DTENSOR_ARGS + _KL_ARGS:
         if isinstance(given.get(name), DTensor):
             return True
     return False
@@ -157,7 +159,12 @@ class _Plan:
                                  "a sharded hidden dimension: the hidden states may be sharded by positions only")
             self.lead = tuple(hidden.shape[:-1])
             self.local["hidden"] = hidden.to_local()
-        else:  # this rank's rows, the same on every rank of the mesh as far as we can know
+        elif self.mesh.ndim > 1:  # which rows it holds over the other mesh dims cannot be known
+            raise ValueError(f"hidden is a plain tensor but the weight is a DTensor on a {self.mesh.ndim}-D mesh "
+                             f"{tuple(self.mesh.shape)}: pass the hidden states as a DTensor on that mesh, placed "
+                             "like its rows (Shard(0) over a data-parallel dim, Replicate() over the vocabulary's), "
+                             "so that the result and the weight gradient carry the right placements")
+        else:  # this rank's rows, the same on every rank of the 1-D mesh (the vocabulary's)
             self.rows = [Replicate()] * self.mesh.ndim
             self.lead = tuple(hidden.shape[:-1]) if isinstance(hidden, torch.Tensor) else ()
         # a weight replicated where the rows are sharded: each rank's gradient is its rows' share
@@ -222,6 +229,10 @@ def run(op: str, given: Mapping[str, Any], local_run: Callable[[str, Mapping[str
         if given.get(name) is not None:
             raise ValueError(f"{name}= was given with DTensor inputs; the group and this rank's vocabulary offset are "
                              "read from the DTensor's mesh and placements: leave process_group and vocab_start out")
+    if op == "kl_divergence":
+        raise NotImplementedError("kl_divergence with DTensor inputs is not supported yet: pass each side's local "
+                                  "vocabulary shard (x.to_local()) with process_group= and vocab_start=, or "
+                                  "x.full_tensor()")
     plan = _Plan(op, given)
     out = local_run(op, plan.local)
     lead = len(plan.lead)

@@ -35,8 +35,10 @@ LENGTH = MESSAGE + MESSAGE_BYTES // 8
 # flags
 (WANT_LOGPROBS, WANT_ENTROPY, HAS_LABELS, START_GIVEN, HAS_BIAS, GRAD, GRAD_HIDDEN,
  HAS_IGNORE) = (1 << i for i in range(8))
+# kl_divergence's (HAS_LABELS: a mask, whose checksum is compared; HIDDEN: the student's hidden size)
+KL_REVERSE, TEACHER_HIDDEN = 1 << 8, 1 << 9
 
-OPS = ("logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden")
+OPS = ("logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden", "kl_divergence")
 _DTYPES = (None,) + tuple(FLOAT_DTYPES)  # code 0: not known (the input was not a float tensor)
 
 #: Exception types carried through the header, by code; any other exception travels as RuntimeError.
@@ -67,6 +69,7 @@ class Local:
     hidden: int = 0
     labels: Optional[torch.Tensor] = None  # validated labels, for the checksum
     error: Optional[BaseException] = None
+    labels_name: str = "labels"  # what ``labels`` is, for the message (kl_divergence: its mask)
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,10 @@ def check(table: torch.Tensor, local: Local) -> Layout:
     for column in (LABELS1, LABELS2):
         others = [r for r in range(size) if t[r][column] != t[0][column]]
         if others:
+            if local.labels_name != "labels":
+                raise GroupMismatchError(
+                    f"the {local.labels_name} differs across the group: ranks {others} hold another "
+                    f"{local.labels_name} than rank 0 (their checksums differ); pass the same one on every rank")
             raise GroupMismatchError(
                 f"the labels differ across the group: ranks {others} hold other labels than rank 0 (their "
                 "checksums differ); pass the same global label ids (not shard-local ones) on every rank")
@@ -214,7 +221,7 @@ def check(table: torch.Tensor, local: Local) -> Layout:
 
 def _describe_flags(flags: int) -> str:
     names = ("logprobs", "entropy", "labels", "vocab_start given", "bias", "gradients", "hidden gradient",
-             "ignore_index given")
+             "ignore_index given", "kl_divergence reverse", "kl_divergence teacher hidden")
     return "{" + ", ".join(n for i, n in enumerate(names) if flags & (1 << i)) + "}"
 
 

@@ -42,3 +42,18 @@ def merge(m: torch.Tensor, s: torch.Tensor, t: Optional[torch.Tensor]) -> Tuple[
     if t is None:
         return lse, None
     return lse, log_total - _tree_over_tiles((t + s * dm) * w) / total
+
+
+def merge_cross(m: torch.Tensor, s: torch.Tensor, c: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(lse, mean)`` per row from one side's tile statistics ``m, s`` and a per-tile sum ``c`` weighted
+    by that side's ``exp(z - m)`` (all (N, T), global order): ``lse`` as :func:`merge`, and ``mean =
+    sum w c / S`` (the expectation of the summed quantity under that side's softmax), with the same
+    fixed tree. Tiles of nothing but -inf weigh 0."""
+    big = m.amax(-1)
+    big_safe = big.masked_fill(big == NEG_INF, 0.0)
+    live = m != NEG_INF
+    zero = torch.zeros((), dtype=m.dtype, device=m.device)
+    w = torch.where(live, torch.exp(torch.where(live, m - big_safe.unsqueeze(-1), zero)), zero)
+    total = _tree_over_tiles(s * w)
+    weighted = torch.where(live, c * w, zero)
+    return big + torch.log(total), _tree_over_tiles(weighted) / total

@@ -151,20 +151,26 @@ class _Sharded:
         return out
 
     # --------------------------------------------------------------- backward
-    def backward(self, tensors: Tuple[Any, ...], lse, entropy, g_lp, g_ent, needs: tuple) -> tuple:
+    def release(self) -> None:
+        """After forward, under autograd: keep what backward needs (the options, the gradient op's
+        key) and drop the call's inputs, which the Function saves through ``ctx`` (so saved-tensor
+        hooks, offloading and checkpointing see them, and nothing keeps the shard alive)."""
+        self.options = self.call.options
+        self.grad_key = self.call.shard_key(self.grad_op)
+        self.call = self.labels = None
+
+    def backward(self, tensors: Tuple[Any, ...], labels, lse, entropy, g_lp, g_ent, needs: tuple) -> tuple:
         """The gradients of ``tensors`` (the shard's logits; or hidden, weight, bias)."""
         on = tensors[0]
         lead = on.shape[:-1]
-        g_lp, g_ent = core.per_row_grads(g_lp, g_ent, lead, lse.dtype, self.labels,
-                                         self.call.options.get("ignore_index"))
+        options, key = self.options, self.grad_key
+        g_lp, g_ent = core.per_row_grads(g_lp, g_ent, lead, lse.dtype, labels, options.get("ignore_index"))
         entropy = None if entropy is None or g_ent is None else entropy.view(lead)
-        options = self.call.options
-        key = self.call.shard_key(self.grad_op)
         if not self.hidden:
             logits = on
             if not lse.numel():
                 return (torch.zeros_like(logits),)
-            grad = get_registry().call(key, self.forced, (logits, self.labels, lse.view(lead), entropy, g_lp, g_ent),
+            grad = get_registry().call(key, self.forced, (logits, labels, lse.view(lead), entropy, g_lp, g_ent),
                                        dict(vocab_start=self.start, temperature=options["temperature"],
                                             inplace_backward=options.get("inplace_backward", False)))
             if not isinstance(grad, torch.Tensor) or grad.shape != logits.shape or grad.dtype != logits.dtype:
@@ -179,7 +185,7 @@ class _Sharded:
         if lse.numel() and (g_lp is not None or g_ent is not None):
             try:
                 gh, gw, gb = get_registry().call(
-                    key, self.forced, (hidden, weight, self.labels, lse.view(lead), entropy, g_lp, g_ent),
+                    key, self.forced, (hidden, weight, labels, lse.view(lead), entropy, g_lp, g_ent),
                     dict(bias=bias, vocab_start=self.start, tile=TILE, temperature=options["temperature"],
                          needs_grad=needs))
             except Exception as exc:
@@ -219,7 +225,7 @@ def _double_backward_refused(hidden: bool):
 
 def _backward(ctx, *grads):
     run: _Sharded = ctx.run
-    *tensors, lse, entropy = ctx.saved_tensors
+    *tensors, labels, lse, entropy = ctx.saved_tensors
     grads = list(grads)
     g_lp = grads.pop(0) if run.want_logprobs else None
     g_ent = grads.pop(0) if run.want_entropy and grads else None
@@ -227,7 +233,7 @@ def _backward(ctx, *grads):
     if g_lp is None and g_ent is None and not (run.hidden and run.needs[0]):
         return (None,) * (count + 1)
     needs = tuple(bool(n) for n in ctx.needs_input_grad[1:count + 1])
-    return (None, *run.backward(tuple(tensors), lse, entropy, g_lp, g_ent, needs))
+    return (None, *run.backward(tuple(tensors), labels, lse, entropy, g_lp, g_ent, needs))
 
 
 class _ShardedFunction(torch.autograd.Function):
@@ -237,9 +243,10 @@ class _ShardedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run: _Sharded, *tensors):
         outs, lse, entropy = run.forward()
-        ctx.run = run
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*tensors, lse, entropy)
+        ctx.save_for_backward(*tensors, run.labels, lse, entropy)
+        run.release()
+        ctx.run = run
         return outs if len(outs) > 1 else outs[0]
 
     @staticmethod
@@ -263,6 +270,10 @@ def run(op: str, call: Union[Call, BaseException], process_group: Any):
     """The public op ``op`` over this rank's vocabulary shard, given its validated ``call`` or the
     error validation raised (raised on every rank, after the header exchange); returns what the
     public function returns, on every rank."""
+    if op == "kl_divergence":
+        from . import kl
+
+        return kl.run(call, resolve(process_group))
     run = _Sharded(op, call, resolve(process_group))
     if run.call is not None and run.call.grad and "functorch" not in run.call.features:
         # inside a torch.func transform the forward raises on every rank (support.check)

@@ -16,8 +16,8 @@ import torch
 
 from ..call import Call
 
-#: The backend features a process_group= call may use (none yet).
-FEATURES: frozenset = frozenset()
+#: The backend features a process_group= call may use: kl_divergence's hidden-state sides.
+FEATURES: frozenset = frozenset({"kl_hidden"})
 
 
 def _shown(value: Any) -> str:
@@ -34,6 +34,10 @@ def check(call: Call) -> None:
         raise NotImplementedError("process_group= calls are not supported inside torch.func transforms (vmap, grad, "
                                   "...); call the op outside the transform")
     spec = call.spec
+    if call.op == "kl_divergence" and call.options.get("support") is not None:
+        raise NotImplementedError(
+            f"kl_divergence(..., process_group=...) does not support support={_shown(call.options['support'])} "
+            "yet; gather both sides' shards to one rank and call without process_group, or leave support=None")
     if call.candidates:
         labels = call.input("labels")
         raise NotImplementedError(

@@ -3,7 +3,8 @@ torch: add one by registering a copy of it for your device type), autograd by to
 
 The portable fallback of last resort: it materialises a float32 copy of the logits (and its
 log-softmax), so it has the lowest priority. It implements every feature of the op table (the
-sampler's processing, candidate labels, ``topk_logprobs``, ``logits_dtype``) as
+sampler's processing, candidate labels, ``topk_logprobs``, ``logits_dtype``, ``kl_divergence``
+with ``kl_hidden`` and ``kl_support``) as
 :mod:`logprob_registry.reference` defines it, in float32: the reference implementation of them.
 """
 
@@ -58,6 +59,27 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
     if return_entropy:
         return out[0][:n].reshape(shape), out[1][:n].reshape(lead)
     return out[:n].reshape(shape)
+
+
+def kl_divergence(student, teacher, *, direction, temperature, mask, tail, student_weight=None,
+                  teacher_weight=None, support=None):
+    kw = dict(dtype=result_dtype(student.dtype), direction=direction, temperature=temperature, tail=tail)
+    if student_weight is None and teacher_weight is None:
+        return ref.kl_divergence(student, teacher, mask=mask, support=support, **kw)
+    # Hidden states: rows flattened and a few padded, so that the matmul takes the path it takes for a
+    # batch (batch invariance); padded rows get support ids 0..K-1 (distinct) and are dropped.
+    lead = student.shape[:-1]
+    n = lead.numel()
+    s = pad_rows(student.reshape(n, student.shape[-1]))
+    t = pad_rows(teacher.reshape(n, teacher.shape[-1]))
+    pad = s.shape[0] - n
+    if support is not None:
+        flat = support.reshape(n, support.shape[-1])
+        filler = torch.arange(flat.shape[1], device=flat.device, dtype=flat.dtype).expand(pad, -1)
+        support = torch.cat([flat, filler])
+    out = ref.kl_divergence(s, t, student_weight=student_weight, teacher_weight=teacher_weight, support=support, **kw)
+    out = out[:n].reshape(lead)
+    return out if mask is None else torch.where(mask, out, torch.zeros_like(out))
 
 
 # ------------------------------------------------- vocabulary-parallel ops (the textbook formulas)
@@ -129,6 +151,54 @@ def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_
     return gh, gw, gb
 
 
+# kl_divergence with process_group=: both sides' shards (logits, or hidden states and a weight shard)
+def _kl_side(x, weight, acc, temperature):
+    """``(rows 2-D in acc, z = logits / T (N, V_local))`` of one side of kl_divergence."""
+    h = x.reshape(-1, x.shape[-1]).to(acc)
+    z = h if weight is None else torch.nn.functional.linear(h, weight.to(acc))
+    return h, z / temperature
+
+
+def kl_shard_stats(student, teacher, *, student_weight, teacher_weight, vocab_start, tile, temperature, direction):
+    acc = result_dtype(student.dtype)
+    _, zs = _kl_side(student, student_weight, acc, temperature)
+    _, zt = _kl_side(teacher, teacher_weight, acc, temperature)
+    lead = student.shape[:-1]
+    zs3, zt3 = tiled(zs, tile), tiled(zt, tile)
+    out = []
+    for z3 in (zs3, zt3):
+        m = z3.amax(-1)
+        e = (z3 - m.masked_fill(m == float("-inf"), 0.0).unsqueeze(-1)).exp()
+        out += [m, e]
+    (ms, es), (mt, et) = out[:2], out[2:]
+    weight, diff = (et, zt3 - zs3) if direction == "forward" else (es, zs3 - zt3)
+    cross = torch.where(weight == 0, 0.0, weight * diff).sum(-1)
+    nt = zs3.shape[1]
+    return tuple(x.reshape(*lead, nt) for x in (ms, es.sum(-1), mt, et.sum(-1), cross))
+
+
+def kl_shard_grad(student, teacher, lse_student, lse_teacher, kl, grad_kl, mask, *, student_weight, teacher_weight,
+                  vocab_start, tile, temperature, direction, needs_grad):
+    acc = lse_student.dtype
+    h, zs = _kl_side(student, student_weight, acc, temperature)
+    _, zt = _kl_side(teacher, teacher_weight, acc, temperature)
+    logps = zs - lse_student.reshape(-1, 1)
+    ps = logps.exp()
+    if direction == "forward":
+        dz = ps - (zt - lse_teacher.reshape(-1, 1)).exp()
+    else:
+        dz = torch.where(ps == 0, 0.0, ps * (logps - (zt - lse_teacher.reshape(-1, 1)) - kl.reshape(-1, 1)))
+    dz = dz * grad_kl.reshape(-1, 1) / temperature
+    if mask is not None:
+        dz = torch.where(mask.reshape(-1, 1), dz, 0.0)
+    if student_weight is None:
+        return dz.to(student.dtype).view(student.shape), None
+    need_h, need_w = needs_grad
+    gh = (dz @ student_weight.to(acc)).view(student.shape) if need_h else None
+    gw = (dz.t() @ h).to(student_weight.dtype) if need_w else None
+    return gh, gw
+
+
 @lr.hookimpl
 def register_backends(register):
     register(lr.Backend(
@@ -139,10 +209,13 @@ def register_backends(register):
             "logprobs_and_entropy": logprobs_and_entropy,
             "logprobs_from_hidden": logprobs_from_hidden,
             "topk_logprobs": topk_logprobs,
+            "kl_divergence": kl_divergence,
             "shard_stats": shard_stats,
             "shard_grad": shard_grad,
             "hidden_shard_stats": hidden_shard_stats,
             "hidden_shard_grad": hidden_shard_grad,
+            "kl_shard_stats": kl_shard_stats,
+            "kl_shard_grad": kl_shard_grad,
         },
         devices={"cpu", "cuda", "npu", "xpu", "mps", "hpu"},
         dtypes=set(FLOAT_DTYPES),
@@ -150,7 +223,8 @@ def register_backends(register):
         autograd=True,
         batch_invariant=True,
         copies_logits=True,
-        features={"functorch", "candidates", "softcap", "top_k", "top_p", "min_p", "keep", "logits_dtype"},
+        features={"functorch", "candidates", "softcap", "top_k", "top_p", "min_p", "keep", "logits_dtype",
+                  "kl_hidden", "kl_support"},
         description="log_softmax + gather in float32; materialises the logits in float32; every feature, "
                     "as the reference defines it",
     ))

@@ -5,7 +5,8 @@ for fp64 input) in a small workspace, so the forward never copies the logits (st
 ``logits[:, :-1]`` included) and never computes in bf16/fp16; the backward keeps one to three
 numbers per row and recomputes the softmax chunk by chunk, out of place or over the logits
 (``inplace_backward=True``). ``logprobs_from_hidden`` forms the logits one tile at a time
-(:mod:`._hidden`). Pure PyTorch: it runs wherever torch runs. How it works, its settings and its
+(:mod:`._hidden`); ``kl_divergence`` streams both sides tile by tile (:mod:`._kl`). Pure
+PyTorch: it runs wherever torch runs. How it works, its settings and its
 measured numbers: docs/backends/chunked.md.
 
 The sampler's processing (softcap, top_k, top_p, min_p, keep), candidate labels, ``topk_logprobs``
@@ -27,7 +28,7 @@ import logprob_registry as lr
 from logprob_registry import config, kit
 from logprob_registry.kit import FLOAT_DTYPES, backward_without_autocast, overlapping, second_order_gradient
 
-from . import _hidden, _sampler, _shards
+from . import _hidden, _kl, _kl_shards, _sampler, _shards
 from . import _rows as loops
 
 DEFAULT_WORKSPACE_BYTES = 8 << 20
@@ -161,21 +162,21 @@ def _sampler_run(logits, labels, **options):
 
 
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward, **sampler):
-    if _sampler.used(**sampler) or labels.dim() == logits.dim():
+    if _sampler.used(sampler) or labels.dim() == logits.dim():
         return _sampler_run(logits, labels, temperature=temperature, ignore_index=ignore_index,
                             inplace_backward=inplace_backward, **sampler)
     return _run(logits, labels, temperature, ignore_index, inplace_backward, True, False)
 
 
 def entropy(logits, *, temperature, **sampler):
-    if _sampler.used(**sampler):
+    if _sampler.used(sampler):
         return _sampler_run(logits, None, temperature=temperature, want_logprobs=False, want_entropy=True,
                             **sampler)
     return _run(logits, None, temperature, None, False, False, True)
 
 
 def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward, **sampler):
-    if _sampler.used(**sampler) or labels.dim() == logits.dim():
+    if _sampler.used(sampler) or labels.dim() == logits.dim():
         return _sampler_run(logits, labels, temperature=temperature, ignore_index=ignore_index,
                             inplace_backward=inplace_backward, want_entropy=True, **sampler)
     return _run(logits, labels, temperature, ignore_index, inplace_backward, True, True)
@@ -187,13 +188,22 @@ def topk_logprobs(logits, *, k, temperature, **sampler):
 
 def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy,
                          chunk_bytes=None, **sampler):
-    if _sampler.used(**sampler) or labels.dim() == hidden.dim():
+    if _sampler.used(sampler) or labels.dim() == hidden.dim():
         return _sampler.logprobs_from_hidden(
             hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
             return_entropy=return_entropy, budget=workspace_bytes(), chunk_bytes=chunk_bytes, **sampler)
     return _hidden.logprobs_from_hidden(hidden, weight, labels, bias=bias, temperature=temperature,
                                         ignore_index=ignore_index, return_entropy=return_entropy,
                                         chunk_bytes=chunk_bytes)
+
+
+def kl_divergence(student, teacher, *, direction, temperature, mask, tail, student_weight=None,
+                  teacher_weight=None, support=None):
+    hidden = student_weight is not None or teacher_weight is not None
+    budget = _hidden.resolve_chunk_bytes(student.device) if hidden else workspace_bytes()
+    return _kl.kl_divergence(student, teacher, direction=direction, temperature=temperature, mask=mask, tail=tail,
+                             student_weight=student_weight, teacher_weight=teacher_weight, support=support,
+                             budget=budget, fixed=student.device.type not in ROW_WISE_DEVICES)
 
 
 def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy):
@@ -217,10 +227,13 @@ def register_backends(register):
             "logprobs_and_entropy": logprobs_and_entropy,
             "logprobs_from_hidden": logprobs_from_hidden,
             "topk_logprobs": topk_logprobs,
+            "kl_divergence": kl_divergence,
             "shard_stats": shard_stats,
             "shard_grad": shard_grad,
             "hidden_shard_stats": _shards.hidden_shard_stats,
             "hidden_shard_grad": _shards.hidden_shard_grad,
+            "kl_shard_stats": _kl_shards.kl_shard_stats,
+            "kl_shard_grad": _kl_shards.kl_shard_grad,
         },
         devices={"cpu", "cuda", "npu", "xpu", "mps", "hpu"},
         dtypes=set(FLOAT_DTYPES),
@@ -231,7 +244,8 @@ def register_backends(register):
         inplace_backward=True,
         batch_invariant=True,
         deterministic=True,
-        features={"candidates", "softcap", "top_k", "top_p", "min_p", "keep", "logits_dtype"},
+        features={"candidates", "softcap", "top_k", "top_p", "min_p", "keep", "logits_dtype", "kl_hidden",
+                  "kl_support"},
         group_invariant=True,
         memory="two fp32 chunk buffers within the workspace budget (8 MiB by default) and a few "
                "floats per row; backward: the gradient, none with inplace_backward",

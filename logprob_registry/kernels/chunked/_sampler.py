@@ -557,9 +557,10 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
     return (lp, ent.view(lead)) if return_entropy else lp
 
 
-def used(softcap=None, top_k=None, top_p=None, min_p=None, keep=None, logits_dtype=None) -> bool:
-    """Whether a call uses anything of this module (else the plain chunked code runs, unchanged)."""
-    return Sampler(softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep).used or logits_dtype is not None
+def used(keywords) -> bool:
+    """Whether a call's sampler keywords (and ``logits_dtype``) use anything of this module (else the
+    plain chunked code runs, unchanged)."""
+    return Sampler.in_use(keywords) or keywords.get("logits_dtype") is not None
 
 
 __all__ = ["BYTES_PER_ELEMENT", "Plan", "Stats", "backward_tile", "forward_rows", "logprobs_from_hidden",

@@ -2,8 +2,8 @@
 
 :class:`~logprob_registry.testing.BackendConformance` is the sum of its sections, one mixin class
 per part of the contract (:mod:`.logits`: the ops over logits; :mod:`.hidden`: the fused
-``logprobs_from_hidden``); a new part of the contract is a new section that the base class
-inherits. Every test declares, with :func:`covers`, which ops it exercises and which backend
+``logprobs_from_hidden``; :mod:`.distill`: ``kl_divergence``); a new part of the contract is a new
+section that the base class inherits. Every test declares, with :func:`covers`, which ops it exercises and which backend
 capability (``logprob_registry.backend.CAPABILITIES``) or feature (``opspec.FEATURES``) it checks.
 Two things read the declarations:
 
@@ -19,13 +19,14 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from ._coverage import Coverage, coverage_of, covers
+from .distill import DistillSection
 from .distributed import DistributedSection
 from .hidden import HiddenSection
 from .logits import LogitsSection
 from .semantics import SemanticsSection
 
 
-class Sections(LogitsSection, HiddenSection, SemanticsSection, DistributedSection):
+class Sections(LogitsSection, HiddenSection, SemanticsSection, DistillSection, DistributedSection):
     """Every section: the suite's tests without its fixtures (:class:`BackendConformance
     <logprob_registry.testing.BackendConformance>` adds those)."""
 

@@ -8,6 +8,12 @@ one), two groups of two (ranks 0 and 1 split the vocabulary evenly with the defa
 default group of four. Every case runs in each; a rank returns its outputs, and checks its own
 shard's gradients itself (against float64 autograd, and bitwise against the gradient it computed
 alone), since it holds the inputs: only small results travel back.
+
+``kl_divergence`` cases (ops ``kl_shard_stats``, ``kl_shard_grad``) run in the same groups: both
+sides' shards of the same columns on each rank (logits, or hidden states with their weight shards);
+their inputs are named as the logits ops' (``logits``: the student's logits; ``hidden``, ``weight``:
+the student's hidden states and weight) so that the gradients are checked alike, and each rank
+records whether a gradient reached the teacher (it must not).
 """
 
 from __future__ import annotations
@@ -19,7 +25,14 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from logprob_registry.numerics import EPS32, tolerance, tolerances
+from logprob_registry.numerics import (
+    EPS32,
+    gradient_rounding,
+    hidden_magnitude,
+    subnormal_spacing,
+    tolerance,
+    tolerances,
+)
 
 from ... import reference as ref
 
@@ -37,7 +50,7 @@ class Case:
     """One call: the op, the input dtype, and its options."""
 
     name: str
-    op: str                       # logprobs, entropy, logprobs_and_entropy, logprobs_from_hidden
+    op: str                       # logprobs, entropy, logprobs_and_entropy, logprobs_from_hidden, kl_divergence
     dtype: str
     temperature: float = 1.0
     ignore: bool = False          # ignore_index=-100 on two positions
@@ -46,10 +59,32 @@ class Case:
     bias: bool = False            # logprobs_from_hidden
     entropy: bool = False         # logprobs_from_hidden: return_entropy
     inplace: bool = False         # inplace_backward=True, on a non-leaf
+    direction: str = "forward"    # kl_divergence
+    hidden: bool = False          # kl_divergence: both sides hidden states with weight shards (kl_hidden)
 
     @property
     def aligned(self) -> bool:
         return self.vocab == VOCAB
+
+    @property
+    def kl(self) -> bool:
+        return self.op == "kl_divergence"
+
+    @property
+    def shard_ops(self) -> Tuple[str, ...]:
+        """The shard ops the case runs on."""
+        if self.kl:
+            return KL_SHARD_OPS
+        return ("hidden_shard_stats", "hidden_shard_grad") if self.op == "logprobs_from_hidden" else \
+            ("shard_stats", "shard_grad")
+
+    @property
+    def features(self) -> Tuple[str, ...]:
+        """The backend features (``opspec.FEATURES``) the case needs."""
+        return ("kl_hidden",) if self.hidden else ()
+
+
+KL_SHARD_OPS = ("kl_shard_stats", "kl_shard_grad")
 
 
 def cases() -> List[Case]:
@@ -65,10 +100,21 @@ def cases() -> List[Case]:
                     ignore=True, inplace=True))
     out.append(Case("logprobs_and_entropy-float32-vocab-13192", "logprobs_and_entropy", "float32", temperature=0.7,
                     ignore=True, masked=True, vocab=ODD_VOCAB))
+    # kl_divergence: temperature 0.7 and a mask (two positions False) in each; few, as every case
+    # runs in each group
+    out.append(Case("kl-forward-float32", "kl_divergence", "float32", temperature=0.7, masked=True))
+    out.append(Case("kl-reverse-float32", "kl_divergence", "float32", temperature=0.7, masked=True,
+                    direction="reverse"))
+    out.append(Case("kl-reverse-bfloat16", "kl_divergence", "bfloat16", temperature=0.7, masked=True,
+                    direction="reverse"))
+    out.append(Case("kl-forward-float32-hidden", "kl_divergence", "float32", temperature=0.7, masked=True,
+                    hidden=True))
     return out
 
 
 def outputs_of(case: Case) -> int:
+    if case.kl:
+        return 1
     if case.op == "logprobs_from_hidden":
         return 1 + case.entropy
     return 2 if case.op == "logprobs_and_entropy" else 1
@@ -78,6 +124,8 @@ def inputs(case: Case) -> Dict[str, torch.Tensor]:
     """The case's full (unsharded) inputs on the CPU, the same on every rank and in the parent."""
     g = torch.Generator().manual_seed(hash_name(case.name))
     dtype = getattr(torch, case.dtype)
+    if case.kl:
+        return _kl_inputs(case, g, dtype)
     labels = torch.randint(0, case.vocab, SHAPE, generator=g)
     out: Dict[str, torch.Tensor] = {}
     if case.op == "logprobs_from_hidden":
@@ -97,6 +145,35 @@ def inputs(case: Case) -> Dict[str, torch.Tensor]:
     out["labels"] = labels
     out["upstream"] = torch.randn(outputs_of(case), *SHAPE, generator=g, dtype=torch.float64)
     return out
+
+
+def _kl_inputs(case: Case, g: torch.Generator, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """Student (``logits``; or ``hidden`` and ``weight``) and teacher (``teacher``; or
+    ``teacher_hidden`` and ``teacher_weight``), the mask and the upstream gradient."""
+    out: Dict[str, torch.Tensor] = {}
+    if case.hidden:
+        for prefix in ("", "teacher_"):
+            out[prefix + "hidden"] = torch.randn(*SHAPE, HIDDEN, generator=g).to(dtype)
+            out[prefix + "weight"] = (torch.randn(case.vocab, HIDDEN, generator=g) * 0.4).to(dtype)
+    else:
+        out["logits"] = (torch.randn(*SHAPE, case.vocab, generator=g, dtype=torch.float64) * 3.0).to(dtype)
+        out["teacher"] = (torch.randn(*SHAPE, case.vocab, generator=g, dtype=torch.float64) * 3.0).to(dtype)
+    mask = torch.ones(SHAPE, dtype=torch.bool)
+    if case.masked:
+        mask[0, 1] = mask[1, 2] = False
+    out["mask"] = mask
+    out["upstream"] = torch.randn(1, *SHAPE, generator=g, dtype=torch.float64)
+    return out
+
+
+def kl_options(case: Case, data: Dict[str, torch.Tensor], dtype: Optional[torch.dtype] = None) -> dict:
+    """``kl_divergence``'s options of the unsharded call but the student's weight (the teacher's
+    weight in ``dtype``, when given)."""
+    kw: dict = dict(direction=case.direction, temperature=case.temperature, mask=data["mask"])
+    if case.hidden:
+        w = data["teacher_weight"]
+        kw["teacher_weight"] = w if dtype is None else w.to(dtype)
+    return kw
 
 
 def hash_name(name: str) -> int:
@@ -141,9 +218,17 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 # ------------------------------------------------------------------------ float64 reference
 def reference(case: Case, data: Dict[str, torch.Tensor]):
     """Outputs and input gradients (dict) of the unsharded call in float64 autograd."""
+    ups = data["upstream"]
+    if case.kl:
+        names = ("hidden", "weight") if case.hidden else ("logits",)
+        leaves = {k: data[k].detach().double().requires_grad_(True) for k in names}
+        teacher = data["teacher_hidden" if case.hidden else "teacher"].double()
+        kl = ref.kl_divergence(leaves[names[0]], teacher, student_weight=leaves.get("weight"),
+                               **kl_options(case, data, torch.float64))
+        (kl * ups[0]).sum().backward()
+        return (kl.detach(),), {k: v.grad for k, v in leaves.items()}
     kw = options(case)
     kw.pop("inplace_backward", None)
-    ups = data["upstream"]
     if case.op == "logprobs_from_hidden":
         leaves = {k: data[k].detach().double().requires_grad_(True) for k in ("hidden", "weight", "bias")
                   if k in data}
@@ -162,6 +247,8 @@ def reference(case: Case, data: Dict[str, torch.Tensor]):
 def output_tolerances(case: Case, data: Dict[str, torch.Tensor]) -> tuple:
     """The contract's tolerance of each output (:mod:`..numerics`)."""
     op = case.op
+    if case.kl:
+        return (kl_tolerance(case, data),)
     if op == "logprobs_from_hidden":
         bound = data["hidden"].detach().double().abs() @ data["weight"].detach().double().abs().T
         if "bias" in data:
@@ -172,6 +259,52 @@ def output_tolerances(case: Case, data: Dict[str, torch.Tensor]) -> tuple:
     return tolerances(op, data["logits"], case.temperature)
 
 
+def kl_tolerance(case: Case, data: Dict[str, torch.Tensor]) -> float:
+    """The error allowed on one KL value (as the distill section's): the larger of the two sides'
+    log-probability tolerances times ``2 + A``, ``A`` the largest ``sum p |log p - log q|``."""
+    tols = []
+    if case.hidden:
+        for prefix in ("", "teacher_"):
+            h, w = data[prefix + "hidden"], data[prefix + "weight"]
+            tols.append(tolerance(torch.empty(1, case.vocab), case.temperature, hidden_magnitude(h, w)))
+        s, t = data["hidden"].double(), data["teacher_hidden"].double()
+        sides = dict(student_weight=data["weight"].double(), teacher_weight=data["teacher_weight"].double())
+    else:
+        s, t = data["logits"].double(), data["teacher"].double()
+        tols = [tolerance(s, case.temperature), tolerance(t, case.temperature)]
+        sides = {}
+    with torch.no_grad():
+        log_p, log_q = ref.kl_distributions(s, t, direction=case.direction, temperature=case.temperature, **sides)
+        terms = log_p.exp() * (log_p - log_q).abs()
+        terms = torch.where(torch.isfinite(terms), terms, torch.zeros_like(terms))
+    return max(tols) * (2 + float(terms.sum(-1).max()))
+
+
+def _kl_gradient_excess(case: Case, data, got, want, columns) -> Dict[str, float]:
+    """The distill section's gradient tolerances: ``4 tol max|upstream| / T`` (times the sum of the
+    other factor's ``|.|`` and ``2 + log V`` for hidden states and weight), plus one rounding of the
+    gradient's dtype relative to it. A missing gradient is off by inf."""
+    dtype = getattr(torch, case.dtype)
+    g_tol = 4 * kl_tolerance(case, data) * float(data["upstream"].abs().max()) / case.temperature
+    rtol = gradient_rounding(dtype) + 4 * EPS32
+    out = {}
+    for name, g in got.items():
+        if g is None:
+            out[name] = math.inf
+            continue
+        w = want[name][columns[name]]
+        atol = g_tol
+        if name == "hidden":  # a sum over the vocabulary of the logits' gradients times |weight|
+            atol = g_tol * float(data["weight"].double().abs().sum(0).max()) * (2 + math.log(case.vocab))
+        elif name == "weight":  # a sum over the rows of the logits' gradients times |hidden|
+            h = data["hidden"].double().reshape(-1, HIDDEN)
+            atol = g_tol * float(h.abs().sum(0).max()) * (2 + math.log(case.vocab))
+        allowed = atol + subnormal_spacing(dtype) + rtol * w.abs()
+        err = (g.detach().cpu().double() - w).abs()
+        out[name] = float((err - allowed).nan_to_num(nan=math.inf).max()) if err.numel() else -1.0
+    return out
+
+
 def _grad_eps(dtype: torch.dtype) -> float:
     return max(torch.finfo(dtype).eps, 4 * EPS32) if dtype != torch.float64 else 4 * EPS32
 
@@ -180,6 +313,8 @@ def gradient_excess(case: Case, data, got: Dict[str, torch.Tensor], want: Dict[s
                     columns: Dict[str, slice]) -> Dict[str, float]:
     """Per input: ``max(|got - want| - allowed)`` (<= 0 passes), with the suite's gradient
     tolerances; ``columns`` selects this rank's shard of ``want`` (the whole tensor for hidden)."""
+    if case.kl:
+        return _kl_gradient_excess(case, data, got, want, columns)
     dtype = getattr(torch, case.dtype)
     out = {}
     if case.op != "logprobs_from_hidden":
@@ -223,6 +358,7 @@ class Outcome:
     bitwise: Dict[str, bool] = field(default_factory=dict)        # shard gradients == own single-group ones
     digests: Dict[str, str] = field(default_factory=dict)         # complete gradients (hidden; single: all)
     inplace_ok: Optional[bool] = None
+    teacher_grad: Optional[bool] = None                            # kl_divergence: a gradient reached the teacher
     start: int = 0
     width: int = 0
 
@@ -257,6 +393,31 @@ def _call(case: Case, data, start: int, width: int, give_start: bool, group, bac
     return [o.detach().cpu() for o in outs], {k: v.grad for k, v in leaves.items()}, shard
 
 
+def _call_kl(case: Case, data, start: int, width: int, give_start: bool, group, backend: str, device):
+    """The sharded ``kl_divergence`` with gradients (the teacher's shards require grad too);
+    returns (outputs, the student's gradients by input name, whether a gradient reached the teacher)."""
+    import logprob_registry as lr
+
+    kw = dict(direction=case.direction, temperature=case.temperature, mask=data["mask"].to(device),
+              process_group=group, backend=backend)
+    if give_start:
+        kw["vocab_start"] = start
+    cols = slice(start, start + width)
+    if case.hidden:
+        leaves = {"hidden": data["hidden"].to(device, copy=True).requires_grad_(True),
+                  "weight": data["weight"][cols].to(device, copy=True).requires_grad_(True)}
+        teachers = [data["teacher_hidden"].to(device, copy=True).requires_grad_(True),
+                    data["teacher_weight"][cols].to(device, copy=True).requires_grad_(True)]
+        kl = lr.kl_divergence(leaves["hidden"], teachers[0], student_weight=leaves["weight"],
+                              teacher_weight=teachers[1], **kw)
+    else:
+        leaves = {"logits": data["logits"].to(device, copy=True)[..., cols].requires_grad_(True)}
+        teachers = [data["teacher"].to(device, copy=True)[..., cols].requires_grad_(True)]
+        kl = lr.kl_divergence(leaves["logits"], teachers[0], **kw)
+    (kl * data["upstream"][0].to(kl.device, kl.dtype)).sum().backward()
+    return [kl.detach().cpu()], {k: v.grad for k, v in leaves.items()}, any(t.grad is not None for t in teachers)
+
+
 def run_cases(group, kind: str, rank: int, backend: str, device: str, names: Tuple[str, ...],
               singles: Dict[str, Dict[str, torch.Tensor]]) -> Dict[str, Outcome]:
     out: Dict[str, Outcome] = {}
@@ -265,16 +426,23 @@ def run_cases(group, kind: str, rank: int, backend: str, device: str, names: Tup
             continue
         data = inputs(case)
         start, width, give = split(kind, rank, case.vocab)
-        outs, grads, shard = _call(case, data, start, width, give, group, backend, torch.device(device))
+        teacher_grad = shard = None
+        if case.kl:
+            outs, grads, teacher_grad = _call_kl(case, data, start, width, give, group, backend, torch.device(device))
+        else:
+            outs, grads, shard = _call(case, data, start, width, give, group, backend, torch.device(device))
         _, want = reference(case, data)
         cols = slice(start, start + width)
         columns = {"logits": (Ellipsis, cols), "weight": cols, "bias": cols, "hidden": Ellipsis}
-        o = Outcome(outs, gradient_excess(case, data, grads, want, columns), start=start, width=width)
+        o = Outcome(outs, gradient_excess(case, data, grads, want, columns), start=start, width=width,
+                    teacher_grad=teacher_grad)
         if kind == "single":
-            singles[case.name] = {k: g.detach().cpu() for k, g in grads.items()}
+            singles[case.name] = {k: g.detach().cpu() for k, g in grads.items() if g is not None}
             o.digests = {k: digest(g) for k, g in grads.items()}
         else:
             for name, g in grads.items():
+                if g is None or name not in singles[case.name] and name != "hidden":
+                    continue  # a missing gradient: gradient_excess reports it
                 if name == "hidden":
                     o.digests[name] = digest(g)
                     continue
@@ -299,8 +467,11 @@ def rank_program(rank: int, world: int, backend: str, device: str, names: Tuple[
     result = {"single": run_cases(singles_groups[rank], "single", rank, backend, device, names, singles)}
     result["pair"] = run_cases(pairs[rank // 2], "pair", rank, backend, device, names, singles)
     result["world"] = run_cases(dist.group.WORLD, "world", rank, backend, device, names, singles)
-    hidden = any(c.op == "logprobs_from_hidden" for c in cases() if c.name in names)
-    result["errors"] = bad_inputs(rank, backend, device, pairs, hidden)
+    chosen = [c for c in cases() if c.name in names]
+    hidden = any(c.op == "logprobs_from_hidden" for c in chosen)
+    # the bad inputs call logprobs_and_entropy: only where the backend runs the logits cases
+    logits = any(c.shard_ops == ("shard_stats", "shard_grad") for c in chosen)
+    result["errors"] = bad_inputs(rank, backend, device, pairs, hidden) if logits else {}
     return result
 
 

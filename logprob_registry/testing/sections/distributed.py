@@ -10,6 +10,10 @@ reverse order with explicit ``vocab_start``) and the group of four run every cas
 (:mod:`._distributed_cases`): logprobs, entropy, logprobs_and_entropy and logprobs_from_hidden, in
 float32 and bfloat16, plain and with temperature, ignore_index and masked (-inf) vocabulary, with
 gradients; in-place backward; a vocabulary that is no multiple of the tile. Then the bad inputs.
+For a backend that implements ``kl_shard_stats`` and ``kl_shard_grad``, the same groups run
+``kl_divergence`` (forward and reverse, float32 and bfloat16, temperature 0.7 with a mask; both
+sides as hidden states with weight shards for a backend declaring ``kl_hidden``), checked by the
+``test_distributed_kl_*`` tests as the logits ops are, and the teacher must get no gradient.
 
 What is checked:
 
@@ -24,7 +28,7 @@ What is checked:
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -36,6 +40,7 @@ from . import _distributed_cases as dc
 from ._coverage import covers
 
 SHARD_OPS = ("shard_stats", "shard_grad", "hidden_shard_stats", "hidden_shard_grad")
+KL_SHARD_OPS = dc.KL_SHARD_OPS  # kl_shard_stats, kl_shard_grad: the test_distributed_kl_* tests
 #: Seconds before a spawned group counts as hung (its processes are then killed). Generous: a
 #: cold torch.compile cache makes the compiled backend's ranks compile for a minute.
 GROUP_TIMEOUT = 600.0
@@ -44,26 +49,30 @@ COLLECTIVE_TIMEOUT = 180.0
 _results: Dict[Tuple[str, str], object] = {}
 
 
-def _selected(lp: Harness) -> List[dc.Case]:
-    """The cases ``lp``'s backend declares what they need for: the ops, with gradients, the dtype."""
+def _selected(lp: Harness, kl: Optional[bool] = None) -> List[dc.Case]:
+    """The cases ``lp``'s backend declares what they need for: the ops, with gradients, the
+    features, the dtype (``kl``: only the kl_divergence cases, or only the others)."""
     out = []
     for case in dc.cases():
-        ops = ("hidden_shard_stats", "hidden_shard_grad") if case.op == "logprobs_from_hidden" else \
-            ("shard_stats", "shard_grad")
-        if all(lp.backend.supports(op) for op in ops) and getattr(torch, case.dtype) in lp.backend.dtypes:
+        if kl is not None and case.kl != kl:
+            continue
+        if all(lp.backend.supports(op) for op in case.shard_ops) and getattr(torch, case.dtype) in lp.backend.dtypes \
+                and all(f in lp.backend.features for f in case.features):
             out.append(case)
     return out
 
 
-def _spawned(lp: Harness) -> List[dict]:
-    """Every rank's results of the spawned group for ``lp`` (run once per backend and device)."""
-    lp.require("shard_stats")
-    lp.require("shard_grad", grad=False)
+def _spawned(lp: Harness, kl: bool = False) -> List[dict]:
+    """Every rank's results of the spawned group for ``lp`` (run once per backend and device, with
+    the logits ops' cases and the kl_divergence cases the backend declares)."""
+    stats, grad = dc.KL_SHARD_OPS if kl else ("shard_stats", "shard_grad")
+    lp.require(stats)
+    lp.require(grad, grad=False)
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("this torch build has no torch.distributed with gloo, which the spawned groups use")
-    if not _selected(lp):
+    if not _selected(lp, kl):
         pytest.skip(f"{lp.name} accepts neither float32 nor bfloat16")
     key = (lp.name, str(lp.device))
     if key not in _results:
@@ -93,85 +102,39 @@ class DistributedSection:
     def test_distributed_results_on_every_rank(self, lp: Harness) -> None:
         """Every rank of groups of 1, 2 and 4 gets the same result, within the contract of the
         float64 reference and of the backend's own unsharded call."""
-        ranks = _spawned(lp)
-        problems = []
-        for case in _selected(lp):
-            data = dc.inputs(case)
-            want, _ = dc.reference(case, data)
-            tols = dc.output_tolerances(case, data)
-            alone = _unsharded(lp, case, data) or (None,) * len(want)
-            for kind in dc.KINDS:
-                for members in _groups(kind):
-                    first = ranks[members[0]][kind][case.name].outputs
-                    for r in members:
-                        got = ranks[r][kind][case.name].outputs
-                        what = f"{case.name}, group of {len(members)} {members}, rank {r}"
-                        if not all(dc.same_bits(a, b) for a, b in zip(got, first)):
-                            problems.append(f"{what}: not the same bits as rank {members[0]} of its group")
-                        for i, (g, w, a, tol) in enumerate(zip(got, want, alone, tols)):
-                            if g.dtype != lp.result_dtype(getattr(torch, case.dtype)) or g.shape != w.shape:
-                                problems.append(f"{what}: output {i} is {g.dtype} {tuple(g.shape)}")
-                                continue
-                            try:
-                                assert_close(g, w, tol, f"{what}: output {i}")
-                                if a is not None:
-                                    assert_close(g, a.cpu().double(), 2 * tol, f"{what}: output {i} against "
-                                                 f"the unsharded call of {lp.name}")
-                            except AssertionError as exc:
-                                problems.append(str(exc))
-        assert not problems, "\n".join(problems[:12])
+        _check_results(lp, kl=False)
 
     @covers(SHARD_OPS, capability="group_invariant", declared=True)
     def test_distributed_bitwise_across_group_sizes(self, lp: Harness) -> None:
         """Shards that start at multiples of the tile: results and shard gradients are the same
         bits in groups of 1, 2 and 4 (even and uneven splits, any order of the ranks)."""
-        if not lp.backend.group_invariant:
-            pytest.skip(f"{lp.name} does not declare group_invariant=True, so results independent of the "
-                        "group size are not promised")
-        ranks = _spawned(lp)
-        problems = []
-        for case in _selected(lp):
-            if not case.aligned:
-                continue
-            base = ranks[0]["single"][case.name]
-            for kind in dc.KINDS:
-                for r in range(dc.WORLD):
-                    o = ranks[r][kind][case.name]
-                    what = f"{case.name}, group of {len(_groups(kind)[0])}, rank {r}"
-                    if not all(dc.same_bits(a, b) for a, b in zip(o.outputs, base.outputs)):
-                        problems.append(f"{what}: results differ from the group of 1 in their bits")
-                    for name, same in o.bitwise.items():
-                        if not same:
-                            problems.append(f"{what}: the gradient of its {name} shard differs from the same "
-                                            "columns of the group of 1's gradient in its bits")
-                    if kind == "single" and o.digests != base.digests:
-                        problems.append(f"{what}: alone, its gradients differ from rank 0's alone")
-        assert not problems, "\n".join(problems[:12])
+        _check_bitwise(lp, kl=False)
 
     @covers(SHARD_OPS, grad=True)
     def test_distributed_gradients(self, lp: Harness) -> None:
         """Gradients of each rank's shard (and of hidden, weight, bias) match float64 autograd of the
         unsharded call; the complete hidden gradient is the same on every rank of a group;
         ``inplace_backward`` writes the shard's gradient over it where the backend declares it."""
-        ranks = _spawned(lp)
-        problems = []
-        for case in _selected(lp):
-            for kind in dc.KINDS:
-                for members in _groups(kind):
-                    for r in members:
-                        o = ranks[r][kind][case.name]
-                        what = f"{case.name}, group of {len(members)} {members}, rank {r}"
-                        for name, excess in o.excess.items():
-                            if not excess <= 0:
-                                problems.append(f"{what}: gradient of {name} off by {excess:.3g} beyond the "
-                                                "contract's tolerance (logprob_registry.numerics)")
-                        hidden = o.digests.get("hidden")
-                        if hidden is not None and hidden != ranks[members[0]][kind][case.name].digests["hidden"]:
-                            problems.append(f"{what}: its hidden gradient differs from rank {members[0]}'s")
-                        if case.inplace and lp.backend.inplace_backward and not o.inplace_ok:
-                            problems.append(f"{what}: {lp.name} declares inplace_backward=True but the shard's "
-                                            "storage does not hold its gradient after backward")
-        assert not problems, "\n".join(problems[:12])
+        _check_gradients(lp, kl=False)
+
+    @covers(KL_SHARD_OPS, grad=True)
+    def test_distributed_kl_results_on_every_rank(self, lp: Harness) -> None:
+        """kl_divergence over groups of 1, 2 and 4: every rank gets the same KL, within the
+        contract of the float64 reference and of the backend's own unsharded call."""
+        _check_results(lp, kl=True)
+
+    @covers(KL_SHARD_OPS, capability="group_invariant", declared=True)
+    def test_distributed_kl_bitwise_across_group_sizes(self, lp: Harness) -> None:
+        """kl_divergence: the KL and the student's shard gradients are the same bits in groups of
+        1, 2 and 4."""
+        _check_bitwise(lp, kl=True)
+
+    @covers(KL_SHARD_OPS, grad=True)
+    def test_distributed_kl_gradients(self, lp: Harness) -> None:
+        """kl_divergence: the gradient of each rank's student shard (logits; or hidden states and
+        weight shard) matches float64 autograd of the unsharded call, sliced; the complete hidden
+        gradient is the same on every rank of a group; no gradient reaches the teacher."""
+        _check_gradients(lp, kl=True)
 
     @covers(("shard_stats",))
     def test_distributed_bad_input_raises_on_every_rank(self, lp: Harness) -> None:
@@ -195,16 +158,108 @@ class DistributedSection:
             if name != "not-a-member" and len({m for _, m in got}) != 1:
                 problems.append(f"{name}: the ranks' messages differ: {[m for _, m in got]}")
         for r in range(dc.WORLD):
-            etype, message = ranks[r]["errors"]["still-in-step"]
+            etype, message = ranks[r]["errors"].get("still-in-step", ("", "no error"))
             if etype:
                 problems.append(f"a good call after the bad ones failed on rank {r}: {etype}: {message}")
         assert not problems, "\n".join(problems[:12])
 
 
+def _check_results(lp: Harness, kl: bool) -> None:
+    """The results of the cases (``kl``: the kl_divergence ones, else the others): the same bits on
+    every rank of a group, within the contract of the float64 reference and of the unsharded call."""
+    ranks = _spawned(lp, kl)
+    problems = []
+    for case in _selected(lp, kl):
+        data = dc.inputs(case)
+        want, _ = dc.reference(case, data)
+        tols = dc.output_tolerances(case, data)
+        alone = _unsharded(lp, case, data) or (None,) * len(want)
+        for kind in dc.KINDS:
+            for members in _groups(kind):
+                first = ranks[members[0]][kind][case.name].outputs
+                for r in members:
+                    got = ranks[r][kind][case.name].outputs
+                    what = f"{case.name}, group of {len(members)} {members}, rank {r}"
+                    if not all(dc.same_bits(a, b) for a, b in zip(got, first)):
+                        problems.append(f"{what}: not the same bits as rank {members[0]} of its group")
+                    for i, (g, w, a, tol) in enumerate(zip(got, want, alone, tols)):
+                        if g.dtype != lp.result_dtype(getattr(torch, case.dtype)) or g.shape != w.shape:
+                            problems.append(f"{what}: output {i} is {g.dtype} {tuple(g.shape)}")
+                            continue
+                        try:
+                            assert_close(g, w, tol, f"{what}: output {i}")
+                            if a is not None:
+                                assert_close(g, a.cpu().double(), 2 * tol, f"{what}: output {i} against "
+                                             f"the unsharded call of {lp.name}")
+                        except AssertionError as exc:
+                            problems.append(str(exc))
+    assert not problems, "\n".join(problems[:12])
+
+
+def _check_bitwise(lp: Harness, kl: bool) -> None:
+    """Tile-aligned cases: results and shard gradients the same bits in groups of 1, 2 and 4."""
+    if not lp.backend.group_invariant:
+        pytest.skip(f"{lp.name} does not declare group_invariant=True, so results independent of the "
+                    "group size are not promised")
+    ranks = _spawned(lp, kl)
+    problems = []
+    for case in _selected(lp, kl):
+        if not case.aligned:
+            continue
+        base = ranks[0]["single"][case.name]
+        for kind in dc.KINDS:
+            for r in range(dc.WORLD):
+                o = ranks[r][kind][case.name]
+                what = f"{case.name}, group of {len(_groups(kind)[0])}, rank {r}"
+                if not all(dc.same_bits(a, b) for a, b in zip(o.outputs, base.outputs)):
+                    problems.append(f"{what}: results differ from the group of 1 in their bits")
+                for name, same in o.bitwise.items():
+                    if not same:
+                        problems.append(f"{what}: the gradient of its {name} shard differs from the same "
+                                        "columns of the group of 1's gradient in its bits")
+                if kind == "single" and o.digests != base.digests:
+                    problems.append(f"{what}: alone, its gradients differ from rank 0's alone")
+    assert not problems, "\n".join(problems[:12])
+
+
+def _check_gradients(lp: Harness, kl: bool) -> None:
+    """Shard gradients within the contract's tolerance of float64 autograd, sliced; the complete
+    hidden gradient the same on every rank of a group; in-place backward; no teacher gradient."""
+    ranks = _spawned(lp, kl)
+    problems = []
+    for case in _selected(lp, kl):
+        for kind in dc.KINDS:
+            for members in _groups(kind):
+                for r in members:
+                    o = ranks[r][kind][case.name]
+                    what = f"{case.name}, group of {len(members)} {members}, rank {r}"
+                    for name, excess in o.excess.items():
+                        if not excess <= 0:
+                            problems.append(f"{what}: gradient of {name} off by {excess:.3g} beyond the "
+                                            "contract's tolerance (logprob_registry.numerics)")
+                    hidden = o.digests.get("hidden")
+                    if hidden is not None and hidden != ranks[members[0]][kind][case.name].digests["hidden"]:
+                        problems.append(f"{what}: its hidden gradient differs from rank {members[0]}'s")
+                    if case.inplace and lp.backend.inplace_backward and not o.inplace_ok:
+                        problems.append(f"{what}: {lp.name} declares inplace_backward=True but the shard's "
+                                        "storage does not hold its gradient after backward")
+                    if o.teacher_grad:
+                        problems.append(f"{what}: a gradient reached the teacher (a detached target)")
+    assert not problems, "\n".join(problems[:12])
+
+
 def _unsharded(lp: Harness, case: dc.Case, data):
-    """The backend's own call without a group (forward only), or None if it lacks the public op."""
-    if not lp.backend.supports(case.op):
+    """The backend's own call without a group (forward only), or None if it lacks the public op
+    (or, for kl_divergence with hidden states, the feature)."""
+    if not lp.backend.supports(case.op) or not all(f in lp.backend.features for f in case.features):
         return None
+    if case.kl:
+        kw = {k: (v.to(lp.device) if isinstance(v, torch.Tensor) else v) for k, v in dc.kl_options(case, data).items()}
+        with torch.no_grad():
+            if case.hidden:
+                return lp.call(case.op, data["hidden"].to(lp.device), data["teacher_hidden"].to(lp.device),
+                               student_weight=data["weight"].to(lp.device), **kw)
+            return lp.call(case.op, data["logits"].to(lp.device), data["teacher"].to(lp.device), **kw)
     kw = dc.options(case)
     kw.pop("inplace_backward", None)
     with torch.no_grad():
