@@ -476,7 +476,9 @@ def test_check_runs_the_distributed_section():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tempfile.gettempdir(), env=env)
     names = sorted(line.split("::")[-1] for line in proc.stdout.splitlines() if "::" in line)
     assert names == ["test_distributed_bad_input_raises_on_every_rank", "test_distributed_bitwise_across_group_sizes",
-                     "test_distributed_gradients", "test_distributed_results_on_every_rank"], proc.stdout + proc.stderr
+                     "test_distributed_gradients", "test_distributed_kl_bitwise_across_group_sizes",
+                     "test_distributed_kl_gradients", "test_distributed_kl_results_on_every_rank",
+                     "test_distributed_results_on_every_rank"], proc.stdout + proc.stderr
 
 
 def test_the_triton_tile_kernel_compiles_for_gpus():

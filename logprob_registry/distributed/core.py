@@ -16,6 +16,7 @@ statistics through the registry *before* any collective, keeping any error in
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -128,3 +129,44 @@ def combine(gathered: torch.Tensor, width: int, layout: header.Layout, labels: O
         picked = gathered[owner, torch.arange(lab.numel(), device=device), -1]
         logprobs = torch.where(valid, picked - lse, torch.zeros((), dtype=lse.dtype, device=device))
     return Merged(lse, entropy, logprobs)
+
+
+class BackwardFailedError(RuntimeError):
+    """The backward of a process_group= call failed on some rank(s); raised on every rank."""
+
+
+def sum_over_group(group: Group, like: torch.Tensor, partial: Optional[torch.Tensor], acc: torch.dtype,
+                   failure: Optional[BaseException], what: str) -> torch.Tensor:
+    """``partial`` (this rank's share of a gradient shaped like ``like``) summed over the group, in
+    ``acc``, returned in ``like``'s dtype and device. The all-reduce carries one more number, a
+    failure flag: a rank whose backward failed (``failure``) joins it with zeros, so that every rank
+    raises :class:`BackwardFailedError` (naming ``what``) instead of the others hanging."""
+    device = group.device_for(like)
+    size = like.numel()
+    buffer = torch.zeros(size + 1, dtype=acc, device=device)
+    if failure is not None:
+        buffer[size] = 1.0
+    elif partial is not None:
+        buffer[:size] = partial.reshape(-1).to(device=device, dtype=acc)
+    group.all_reduce_sum_(buffer)
+    failed = int(buffer[size].item())
+    if failed:
+        raise BackwardFailedError(
+            f"the backward of {what} failed on {failed} rank(s) of the group (each failing rank's own error is "
+            "chained as its cause); no rank has a hidden gradient") from failure
+    return buffer[:size].view(like.shape).to(device=like.device, dtype=like.dtype)
+
+
+def describe(local: header.Local, on: torch.Tensor, vocab: int, temperature: float, group: Group,
+             vocab_start: Optional[int], checked: Optional[torch.Tensor], hidden: bool) -> int:
+    """Fill this rank's header row with what every rank must agree on (the input's dtype and leading
+    shape, the shard's width, the temperature, the tensor whose checksum is compared, the hidden
+    size); returns the shard's global start (``vocab_start``, or ``rank * vocab``)."""
+    lead = tuple(on.shape[:-1])
+    local.dtype, local.shape, local.rows, local.width = on.dtype, lead, math.prod(lead), vocab
+    local.temperature = temperature
+    local.labels = checked
+    if hidden:
+        local.hidden = on.shape[-1]
+    local.start = vocab_start if vocab_start is not None else group.rank * vocab
+    return local.start

@@ -24,7 +24,6 @@ Not supported yet: ``support=`` (refused by :mod:`.support` with NotImplementedE
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional, Union
 
 import torch
@@ -91,14 +90,9 @@ class _KL:
         if call is not None:
             try:
                 support.check(call)
-                lead = tuple(on.shape[:-1])
-                local.dtype, local.shape, local.rows, local.width = on.dtype, lead, math.prod(lead), call.vocab
-                local.temperature = call.options["temperature"]
-                local.labels = self.mask
-                if self.hidden:
-                    local.hidden = on.shape[-1]
                 start = call.vocab_start
-                self.start = local.start = start if start is not None else self.group.rank * call.vocab
+                self.start = core.describe(local, on, call.vocab, call.options["temperature"], self.group, start,
+                                           self.mask, self.hidden)
                 local.flags = self._flags(start is not None)
                 acc = result_dtype(on.dtype)
                 registry = get_registry()
@@ -191,30 +185,11 @@ class _KL:
             except Exception as exc:
                 failure = exc
         if self.needs[0]:  # agreed by every rank in the header: every rank joins this all-reduce
-            gh = _sum_over_group(self.group, student, gh, kl.dtype, failure)
+            gh = core.sum_over_group(self.group, student, gh, kl.dtype, failure,
+                                     "kl_divergence(..., student_weight=..., process_group=...)")
         elif failure is not None:
             raise failure
         return gh, gw
-
-
-def _sum_over_group(group: Group, hidden, partial, acc, failure) -> torch.Tensor:
-    from .sharded import BackwardFailedError
-
-    device = group.device_for(hidden)
-    size = hidden.numel()
-    buffer = torch.zeros(size + 1, dtype=acc, device=device)
-    if failure is not None:
-        buffer[size] = 1.0  # zeros and the flag: the others must not wait for a rank that failed
-    elif partial is not None:
-        buffer[:size] = partial.reshape(-1).to(device=device, dtype=acc)
-    group.all_reduce_sum_(buffer)
-    failed = int(buffer[size].item())
-    if failed:
-        raise BackwardFailedError(
-            f"the backward of kl_divergence(..., student_weight=..., process_group=...) failed on {failed} rank(s) "
-            "of the group (each failing rank's own error is chained as its cause); no rank has a hidden gradient"
-        ) from failure
-    return buffer[:size].view(hidden.shape).to(device=hidden.device, dtype=hidden.dtype)
 
 
 class _KLFunction(torch.autograd.Function):

@@ -21,7 +21,6 @@ so that every rank raises instead of the others hanging.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional, Tuple, Union
 
 import torch
@@ -32,14 +31,11 @@ from ..kit import backward_without_autocast, first_order_only, result_dtype
 from ..registry import get_registry
 from ..validation import check_label_range
 from . import core, header, support
+from .core import BackwardFailedError  # noqa: F401 - raised by the hidden backward (core.sum_over_group)
 from .group import Group, resolve
 from .tiles import TILE
 
 _HIDDEN = "logprobs_from_hidden"
-
-
-class BackwardFailedError(RuntimeError):
-    """The backward of a process_group= call failed on some rank(s); raised on every rank."""
 
 
 class _Sharded:
@@ -76,14 +72,9 @@ class _Sharded:
         if call is not None:
             try:
                 support.check(call)
-                lead = tuple(on.shape[:-1])
-                local.dtype, local.shape, local.rows, local.width = on.dtype, lead, math.prod(lead), call.vocab
-                local.temperature = call.options["temperature"]
-                local.labels = self.labels
-                if self.hidden:
-                    local.hidden = on.shape[-1]
                 start = call.vocab_start
-                self.start = local.start = start if start is not None else self.group.rank * call.vocab
+                self.start = core.describe(local, on, call.vocab, call.options["temperature"], self.group, start,
+                                           self.labels, self.hidden)
                 ignore_index = call.options.get("ignore_index")
                 local.flags = self._flags(start is not None, ignore_index is not None)
                 local.ignore_index = ignore_index if ignore_index is not None else 0
@@ -191,27 +182,12 @@ class _Sharded:
             except Exception as exc:
                 failure = exc
         if self.needs[0]:  # agreed by every rank in the header: every rank joins this all-reduce
-            gh = self._sum_over_group(hidden, gh, lse.dtype, failure)
+            gh = core.sum_over_group(self.group, hidden, gh, lse.dtype, failure,
+                                     "logprobs_from_hidden(..., process_group=...)")
         elif failure is not None:
             raise failure
         return gh, gw, gb
 
-    def _sum_over_group(self, hidden, partial, acc, failure) -> torch.Tensor:
-        device = self.group.device_for(hidden)
-        size = hidden.numel()
-        buffer = torch.zeros(size + 1, dtype=acc, device=device)
-        if failure is not None:
-            buffer[size] = 1.0  # zeros and the flag: the others must not wait for a rank that failed
-        elif partial is not None:
-            buffer[:size] = partial.reshape(-1).to(device=device, dtype=acc)
-        self.group.all_reduce_sum_(buffer)
-        failed = int(buffer[size].item())
-        if failed:
-            raise BackwardFailedError(
-                f"the backward of logprobs_from_hidden(..., process_group=...) failed on {failed} rank(s) of the "
-                "group (each failing rank's own error is chained as its cause); no rank has a hidden gradient"
-            ) from failure
-        return buffer[:size].view(hidden.shape).to(device=hidden.device, dtype=hidden.dtype)
 
 
 _REMEDY = {False: "For second-order gradients, gather the logits to one rank and call without process_group.",
