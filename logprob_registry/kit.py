@@ -17,6 +17,7 @@ are not. Importing this module is cheap: it needs torch only (never Triton, neve
 - degenerate inputs (nothing to chunk or compile for): :func:`reference_outputs`, the op's
   ground truth in its result dtype;
 - batch-invariant matmuls: :data:`MIN_GEMM_ROWS`, :func:`pad_rows`, :func:`add_matmul`;
+- ignored rows: :func:`on_active_rows` (a per-row op run on the rows whose label is not ignored);
 - the tile protocol of the shard ops (``shard_stats``, ``shard_grad``, ...): :data:`TILE`,
   :func:`n_tiles`, :func:`tiled`, :func:`tile_stats_`, :func:`tree_sum`, :func:`tree_sum_`,
   :func:`label_columns`, :func:`next_power_of_two`.
@@ -68,6 +69,25 @@ def add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         tmp = pad_rows(acc)
         tmp.addmm_(pad_rows(a), b)
         acc.copy_(tmp[: acc.shape[0]])
+
+
+def on_active_rows(run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                   labels: torch.Tensor, ignore_index: Optional[int]) -> Optional[torch.Tensor]:
+    """A per-row op run on the active rows only: ``run(hidden[a], labels[a])`` (an ``(A,)`` result)
+    for the rows ``a`` whose label is not ``ignore_index``, scattered into ``(N,)`` zeros (an ignored
+    row's log-probability); None when no row is ignored (call the op as usual).
+
+    In RL steps most rows are often prompt tokens with ignored labels: here they cost neither
+    matmul nor softmax, forward or backward, and their gradient is zero (autograd of the row
+    selection). A row's result is bitwise what it is among all rows wherever the backend's results
+    are batch invariant. Costs one device synchronisation (the number of active rows)."""
+    if ignore_index is None:
+        return None
+    active = (labels != ignore_index).nonzero().squeeze(1)
+    if active.numel() == labels.shape[0]:
+        return None
+    out = run(hidden.index_select(0, active), labels.index_select(0, active))
+    return out.new_zeros(labels.shape[0]).index_copy(0, active, out)
 
 
 def overlapping(x: torch.Tensor) -> bool:
@@ -185,6 +205,7 @@ __all__ = [
     "label_columns",
     "n_tiles",
     "next_power_of_two",
+    "on_active_rows",
     "overlapping",
     "pad_rows",
     "reference_outputs",

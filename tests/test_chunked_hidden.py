@@ -150,3 +150,48 @@ def test_weight_gradient_accumulates_once_per_use():
     r = ref.logprobs_from_hidden(hidden.double(), w64, labels, bias=bias.double())
     (g64,) = torch.autograd.grad(r.sum(), w64)
     assert_close(g, g64, 64 * EPS32 * float(g64.abs().max()), "weight gradient over two calls")
+
+
+def test_frozen_weight_forms_the_hidden_gradient_in_forward(monkeypatch):
+    """A weight without ``requires_grad``: the forward accumulates ``softmax @ W`` tile by tile, the
+    backward recomputes nothing, and the hidden gradient under per-row upstream gradients (zeros,
+    signs, a wide range) is float64's; ignored rows get exact zeros."""
+    from logprob_registry.kernels.chunked import _hidden as chh
+
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(45, 16, generator=g), torch.randn(90, 16, generator=g) / 4
+    labels = torch.randint(0, 90, (45,), generator=g)
+    labels[::4] = -100
+    monkeypatch.setattr(chh, "_backward", lambda *a, **k: pytest.fail("a frozen weight's backward recomputed tiles"))
+    h = hidden.clone().requires_grad_(True)
+    out = chh.logprobs_from_hidden(h, weight, labels, bias=None, ignore_index=-100, temperature=1.3,
+                                   return_entropy=False, chunk_bytes=20 * 30 * 4)  # tiles of 20 x 30
+    up = torch.randn(45, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-3, 4, (45,), generator=g)
+    up[::5] = 0
+    (grad,) = torch.autograd.grad((out * up.float()).sum(), h)
+    h64 = hidden.double().requires_grad_(True)
+    want = ref.logprobs_from_hidden(h64, weight.double(), labels, ignore_index=-100, temperature=1.3)
+    (grad64,) = torch.autograd.grad((want * up).sum(), h64)
+    scale = up.abs().clamp(min=1e-300).unsqueeze(1)  # each row at its own upstream's scale
+    assert ((grad.double() - grad64).abs() / scale).max() < 1e-5
+    assert bool((grad[::4] == 0).all())
+
+
+def test_ignored_rows_reach_no_tile_and_change_no_active_row(monkeypatch):
+    """Only the active rows reach the tiles; their results are bitwise those of the all-active call."""
+    from logprob_registry.kernels.chunked import _hidden as chh
+
+    g = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(200, 16, generator=g), torch.randn(90, 16, generator=g) / 4
+    labels = torch.randint(0, 90, (200,), generator=g)
+    ignored = torch.rand(200, generator=g) < 0.9
+    rows = []
+    real = chh._forward
+    monkeypatch.setattr(chh, "_forward", lambda hidden, *a, **k: rows.append(hidden.shape[0]) or real(hidden, *a, **k))
+    h = hidden.clone().requires_grad_(True)
+    out = lr.logprobs_from_hidden(h, weight, labels.masked_fill(ignored, -100), ignore_index=-100, backend="chunked")
+    (gh,) = torch.autograd.grad(out.sum(), h)
+    assert rows == [int((~ignored).sum())]
+    full = lr.logprobs_from_hidden(hidden, weight, labels, ignore_index=-100, backend="chunked")
+    assert torch.equal(out.detach()[~ignored], full[~ignored])
+    assert bool((out[ignored] == 0).all()) and bool((gh[ignored] == 0).all())

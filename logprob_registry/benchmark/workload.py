@@ -22,6 +22,8 @@ from .settings import REFERENCE_CHUNK_ELEMENTS, Setting
 
 BASELINE = "baseline"
 LIGER = "liger-kl"
+TORCH_LCE = "torch-lce"
+TORCH_LCE_CHUNKED = "torch-lce-chunked"
 
 
 def baseline_description(s: Setting, short: bool = False) -> str:
@@ -88,12 +90,41 @@ def liger_available() -> bool:
         return False
 
 
+def torch_lce_available() -> bool:
+    """Whether this torch has ``torch.nn.functional.linear_cross_entropy`` (torch >= 2.13)."""
+    return hasattr(torch.nn.functional, "linear_cross_entropy")
+
+
+def torch_lce(inputs: Mapping[str, torch.Tensor], options: Mapping[str, Any], chunked: bool = False) -> torch.Tensor:
+    """``-F.linear_cross_entropy(hidden, weight, labels, reduction="none")``: torch's own fused
+    linear + cross-entropy, the first thing a user reaches for; it returns the negative
+    log-likelihood in the inputs' dtype. ``chunked``: its chunked path
+    (``options=torch.nn.LinearCrossEntropyOptions()``), which never holds the ``(N, V)`` logits."""
+    hidden, labels = inputs["hidden"], inputs["labels"]
+    lce_options = torch.nn.LinearCrossEntropyOptions() if chunked else None
+    loss = torch.nn.functional.linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]), inputs["weight"], labels.reshape(-1), reduction="none",
+        options=lce_options)
+    return -loss.reshape(labels.shape)
+
+
+def _lce_runs(s: Setting) -> bool:
+    """torch's fused loss computes what the op does only for plain log-probabilities of hidden states."""
+    return s.op == "logprobs_from_hidden" and s.outputs == ("logprobs",) and torch_lce_available()
+
+
 #: Methods that are neither a backend nor the baseline: name -> (description, whether it runs a
 #: setting, the call). Liger-Kernel's KL loss, for ``kl_divergence`` on CUDA where it imports.
 EXTERNAL: Dict[str, Tuple[str, Callable[[Setting], bool], Callable[..., torch.Tensor]]] = {
     LIGER: ("Liger-Kernel's LigerKLDIVLoss(reduction='none', log_target=True) on the log_softmax of both "
             "sides (Triton; rows appear only where liger_kernel imports and the device is CUDA)",
             lambda s: "kl" in s.outputs and s.device_type == "cuda" and liger_available(), liger_kl),
+    TORCH_LCE: ("-torch.nn.functional.linear_cross_entropy(hidden, weight, labels, reduction='none'): torch's "
+                "default path, which holds the (N, V) logits; its losses in the inputs' dtype (torch >= 2.13)",
+                _lce_runs, lambda inputs, options: torch_lce(inputs, options)),
+    TORCH_LCE_CHUNKED: ("the same with options=torch.nn.LinearCrossEntropyOptions(): torch's chunked path, "
+                        "without the (N, V) logits", _lce_runs,
+                        lambda inputs, options: torch_lce(inputs, options, chunked=True)),
 }
 
 

@@ -19,6 +19,11 @@ bf16, an error of about 1e-2 nats that the numerical contract forbids). Their gr
 accumulated in fp32 and rounded once at the end: the hidden gradient through an ``N x H`` fp32
 buffer, the weight gradient one vocabulary block at a time.
 
+RL steps: rows whose label is ``ignore_index`` never reach the tiles (``kit.on_active_rows``; not
+with the entropy, an output of every row); with a frozen weight (and bias) and no entropy the
+forward also accumulates ``softmax @ W`` (online rescaling, as flash attention does), so that the
+backward is one scale of ``(W[label] - softmax @ W) / T`` and recomputes no tile.
+
 Saved for backward: the inputs (hidden flattened to ``(N, H)``, a copy only if its leading dims
 cannot be flattened as a view), the labels, and per token the log-sum-exp and the entropy.
 Batch invariance: the vocabulary blocks do not depend on ``N`` and short tiles are padded to
@@ -36,7 +41,14 @@ import torch
 
 from logprob_registry import config
 from logprob_registry import reference as ref
-from logprob_registry.kit import MIN_GEMM_ROWS, add_matmul, backward_without_autocast, pad_rows, second_order_gradient
+from logprob_registry.kit import (
+    MIN_GEMM_ROWS,
+    add_matmul,
+    backward_without_autocast,
+    on_active_rows,
+    pad_rows,
+    second_order_gradient,
+)
 from logprob_registry.kit import result_dtype as _compute_dtype
 
 #: Bytes of one fp32 tile of logits, by device type ("default" for the others). Small on the CPU,
@@ -158,10 +170,14 @@ def _labels(labels: torch.Tensor, ignore_index: Optional[int]) -> _Labels:
     return _Labels(index.masked_fill(~keep, 0), keep)
 
 
-def _forward(hidden, weight, bias, lab: _Labels, temperature, entropy, tiles: Plan):
+def _forward(hidden, weight, bias, lab: _Labels, temperature, entropy, tiles: Plan, accumulate: bool = False):
     """Log-sum-exp, label logit and (if asked) ``sum p z`` per token, tile by tile.
 
-    Returns ``(logp, lse, ent)`` in the compute dtype; ``ent`` is None unless asked.
+    Returns ``(logp, lse, ent, dh)`` in the compute dtype; ``ent`` is None unless asked; ``dh``
+    (with ``accumulate``: a frozen weight, see :func:`_accumulates`; else None) is ``d logp / d
+    hidden`` per row, ``(W[label] - softmax @ W) / T`` ``(N, H)``, its ``softmax @ W`` accumulated
+    tile by tile with the running max (online softmax, as in flash attention): the backward is then
+    one scale, and forward and backward cost two matmuls a tile, as the logits path's.
     """
     n, v = hidden.shape[0], weight.shape[0]
     cd = _compute_dtype(hidden.dtype)
@@ -171,6 +187,7 @@ def _forward(hidden, weight, bias, lab: _Labels, temperature, entropy, tiles: Pl
     s = torch.zeros(n, **opts)                     # running sum of exp(z - m)
     t = torch.zeros(n, **opts) if entropy else None  # running sum of exp(z - m) * z
     zl = torch.zeros(n, **opts)                    # the label's logit
+    acc = torch.zeros(n, hidden.shape[1], **opts) if accumulate else None  # sum exp(z - m) w
     for v0 in range(0, v, tiles.cols):
         v1 = min(v, v0 + tiles.cols)
         w = _block(weight[v0:v1], cd)
@@ -191,6 +208,10 @@ def _forward(hidden, weight, bias, lab: _Labels, temperature, entropy, tiles: Pl
             else:
                 e = (z - m_safe.unsqueeze(1)).exp_()
             s[r0:r1] = s[r0:r1] * alpha + e.sum(1)
+            if acc is not None:
+                rows = acc[r0:r1]
+                rows.mul_(alpha.unsqueeze(1))
+                add_matmul(rows, e, w)
             if t is not None:
                 # exp(-inf) * -inf is NaN for masked entries; their share is 0. A NaN logit makes
                 # the whole row NaN through the max, so hiding the product's NaN hides nothing.
@@ -202,7 +223,21 @@ def _forward(hidden, weight, bias, lab: _Labels, temperature, entropy, tiles: Pl
     lse = m_safe + s.log()
     logp = (zl - lse).masked_fill_(~lab.keep, 0.0)
     ent = None if t is None else lse - t / s
-    return logp, lse, ent
+    dh = None
+    if acc is not None:  # W[label] - acc / s, written over acc a block of rows at a time
+        dh = acc.div_(s.unsqueeze(1)).neg_()
+        for r0 in range(0, n, tiles.rows):
+            dh[r0:r0 + tiles.rows].add_(_block(weight.index_select(0, lab.index[r0:r0 + tiles.rows]), cd))
+        if inv_t != 1.0:
+            dh.mul_(inv_t)
+    return logp, lse, ent, dh
+
+
+def _accumulates(need: Tuple[bool, bool, bool], entropy: bool) -> bool:
+    """Whether the forward forms the hidden gradient (:func:`_forward`): only the hidden needs one
+    (a frozen lm_head: LoRA, a reference model) and no entropy is returned (its gradient would
+    need another running sum)."""
+    return need[0] and not need[1] and not need[2] and not entropy
 
 
 def _backward(hidden, weight, bias, lab: _Labels, temperature, lse, sbar, g_lp, g_ent, need, tiles: Plan):
@@ -257,7 +292,8 @@ class _FusedLinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature, ignore_index, entropy, tiles):
         lab = _labels(labels, ignore_index)
-        logp, lse, ent = _forward(hidden, weight, bias, lab, temperature, entropy, tiles)
+        accumulate = _accumulates(tuple(ctx.needs_input_grad[:3]), entropy)
+        logp, lse, ent, ctx.dh = _forward(hidden, weight, bias, lab, temperature, entropy, tiles, accumulate)
         ctx.set_materialize_grads(False)
         # sum p z rather than the entropy output itself, which the caller may modify in place
         ctx.save_for_backward(hidden, weight, bias, labels, lse, None if ent is None else lse - ent)
@@ -282,6 +318,11 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             inputs = tuple(t if n else None for t, n in zip((hidden, weight, bias), need))
             return second_order_gradient(outputs, inputs, (g_lp, g_ent)) + (None,) * 5
         lab = _labels(labels, ignore_index)
+        if ctx.dh is not None:  # a frozen weight: the hidden gradient was formed in forward
+            gh = None
+            if g_lp is not None:
+                gh = (ctx.dh * g_lp.to(ctx.dh.dtype).masked_fill(~lab.keep, 0.0).unsqueeze(1)).to(hidden.dtype)
+            return gh, None, None, None, None, None, None, None
         gh, gw, gb = _backward(hidden, weight, bias, lab, temperature, lse, sbar, g_lp, g_ent, need, tiles)
         return gh, gw, gb, None, None, None, None, None
 
@@ -306,13 +347,21 @@ def logprobs_from_hidden(
     lead, hdim = hidden.shape[:-1], hidden.shape[-1]
     flat = hidden.reshape(-1, hdim)
     y = labels.reshape(-1)
+    if not return_entropy:  # every row's entropy is an output; without it, only active rows cost
+        def active(h, lab):
+            return logprobs_from_hidden(h, weight, lab, bias=bias, temperature=temperature, ignore_index=None,
+                                        return_entropy=False, chunk_bytes=chunk_bytes)
+
+        out = on_active_rows(active, flat, y, ignore_index)
+        if out is not None:
+            return out.view(lead)
     budget = resolve_chunk_bytes(hidden.device, chunk_bytes)
     tiles = plan(flat.shape[0], weight.shape[0], hdim, hidden.dtype, budget)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if grad:
         out = _FusedLinearLogprobs.apply(flat, weight, bias, y, temperature, ignore_index, return_entropy, tiles)
     else:
-        logp, _, ent = _forward(flat, weight, bias, _labels(y, ignore_index), temperature, return_entropy, tiles)
+        logp, _, ent, _ = _forward(flat, weight, bias, _labels(y, ignore_index), temperature, return_entropy, tiles)
         out = (logp, ent) if return_entropy else logp
     if return_entropy:
         return out[0].view(lead), out[1].view(lead)

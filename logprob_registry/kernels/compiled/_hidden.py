@@ -21,6 +21,11 @@ weight and hidden in two in-place matmuls; the weight gradient accumulates block
   whose matmul libraries choose kernels by shape, every row tile is padded to the full tile height,
   so that each matmul has one shape. Inductor reduces each row in one program
   (``split_reductions=False``).
+- **RL steps**: rows whose label is ``ignore_index`` never reach the tiles (``kit.on_active_rows``;
+  not with the entropy, an output of every row). With a frozen weight (and bias) a plain call
+  accumulates the hidden gradient in the forward (``fwd_acc_step``: ``softmax @ W`` with online
+  rescaling), so that its backward is one scale: two matmuls over the step instead of four
+  (docs/fused-linear.md, "RL steps").
 - **Compilation**: :data:`KERNELS` (``fwd_step``, ``bwd_step``) are compiled on first use with
   dynamic shapes: one compile per kind of call (compute dtype fp32 or fp64, bias or not, entropy or
   not, softcap or not, ``logits_dtype``), whatever the tokens, vocabulary, hidden size or
@@ -44,7 +49,7 @@ import torch
 
 import logprob_registry as lr
 from logprob_registry import reference as ref
-from logprob_registry.kit import MIN_GEMM_ROWS, result_dtype, second_order_gradient
+from logprob_registry.kit import MIN_GEMM_ROWS, on_active_rows, result_dtype, second_order_gradient
 
 from ._kernels import INDUCTOR_OPTIONS, LN2, LOG2E, RECOMPILE_LIMIT, CompileError, _notice, compile_error
 
@@ -149,6 +154,23 @@ def _fwd_step(h, w, b, local, m, s, u, zl, k: float, cap: Optional[float], logit
     return m_new, s_new, u_new, zl_new
 
 
+def _fwd_acc_step(h, w, b, local, m, s, zl, k: float):
+    """:func:`_fwd_step` of a plain call (no entropy, softcap or ``logits_dtype``) whose hidden
+    gradient is accumulated in the forward (a frozen weight): also ``e = exp2((x - m_new) k)``, the
+    tile's unnormalised probabilities, and ``alpha``, the rescaling of the old sums, so that the
+    caller updates the running ``acc = sum e w`` as ``acc * alpha + e @ w`` (online softmax, as in
+    flash attention)."""
+    x = torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
+    m_new = torch.maximum(m, x.amax(1, keepdim=True))
+    base = torch.where(m_new == -_INF, 0.0, m_new)
+    e = torch.exp2((x - base) * k)
+    alpha = torch.exp2(-torch.where(m == -_INF, 0.0, (base - m) * k))
+    s_new = s * alpha + e.sum(1, keepdim=True)
+    inside = (local >= 0) & (local < x.shape[1])
+    zl_new = torch.where(inside, x.gather(1, local.clamp(0, x.shape[1] - 1)), zl)
+    return m_new, s_new, zl_new, e, alpha
+
+
 def _bwd_step(h, w, b, local, m, log2_s, ent, g_lp, g_ent, k: float, inv_t: float, cap: Optional[float],
               logits_dtype: Optional[torch.dtype]):
     """The gradient of ``g_lp * logp[label] + g_ent * entropy`` with respect to the tile's logits
@@ -169,7 +191,7 @@ def _bwd_step(h, w, b, local, m, log2_s, ent, g_lp, g_ent, k: float, inv_t: floa
     return grad * inv_t
 
 
-KERNELS: Dict[str, Callable] = {"fwd_step": _fwd_step, "bwd_step": _bwd_step}
+KERNELS: Dict[str, Callable] = {"fwd_step": _fwd_step, "bwd_step": _bwd_step, "fwd_acc_step": _fwd_acc_step}
 _compiled: Dict[str, Callable] = {}
 _eager: Dict[tuple, str] = {}   # kinds of backward that failed to compile: run eagerly
 _warm: set = set()
@@ -292,21 +314,51 @@ def _blocks(c: _Call):
         yield v0, _block(c.weight[v0:v1], c.cd), None if c.bias is None else _block(c.bias[v0:v1], c.cd)
 
 
-def _forward(c: _Call, entropy: bool):
-    """``(m, s, u, zl)`` per row, each ``(N, 1)``: the max of the processed logits, the sum of
-    ``exp2((x - m) k)``, of ``-a exp2(a)`` (None without entropy) and the label's logit."""
+def _forward(c: _Call, entropy: bool, accumulate: bool = False):
+    """``(m, s, u, zl, acc)`` per row, each ``(N, 1)`` but ``acc``: the max of the processed logits,
+    the sum of ``exp2((x - m) k)``, of ``-a exp2(a)`` (None without entropy), the label's logit and,
+    with ``accumulate`` (a plain call: :func:`_accumulates`), ``sum exp2((x - m) k) w`` ``(N, H)``
+    (else None), so that ``acc / s`` is ``softmax @ weight``: the hidden gradient with a frozen
+    weight, formed here with one matmul a tile rather than recomputing the tile in backward."""
     tiles = _tiles(c.hidden.shape[0], c.tiles)
     rows = _Rows(c, tiles)
     idx = [t.pad(c.idx) for t in tiles]
     opts = dict(device=c.hidden.device, dtype=c.cd)
     states = [(torch.full((t.rows, 1), -_INF, **opts), torch.zeros(t.rows, 1, **opts),
                torch.zeros(t.rows, 1, **opts) if entropy else None, torch.zeros(t.rows, 1, **opts)) for t in tiles]
+    accs = [torch.zeros(t.rows, c.hidden.shape[1], **opts) for t in tiles] if accumulate else None
     for v0, w, b in _blocks(c):
         for i in range(len(tiles)):
+            if accumulate:
+                m, s, zl, e, alpha = _run("fwd_acc_step", rows[i], w, b, idx[i] - v0, states[i][0], states[i][1],
+                                          states[i][3], c.k)
+                accs[i].mul_(alpha).addmm_(e, w)
+                states[i] = (m, s, None, zl)
+                del e
+                continue
             out = _run("fwd_step", rows[i], w, b, idx[i] - v0, *states[i], c.k, c.cap, c.logits_dtype)
             states[i] = out if entropy else (out[0], out[1], None, out[2])
-    return tuple(None if states[0][j] is None else torch.cat([st[j][: t.r1 - t.r0] for st, t in zip(states, tiles)])
-                 for j in range(4))
+    stats = tuple(None if states[0][j] is None else torch.cat([st[j][: t.r1 - t.r0] for st, t in zip(states, tiles)])
+                  for j in range(4))
+    acc = None if accs is None else torch.cat([a[: t.r1 - t.r0] for a, t in zip(accs, tiles)])
+    return stats + (acc,)
+
+
+def _accumulates(c: _Call, entropy: bool, need: Tuple[bool, bool, bool]) -> bool:
+    """Whether the forward accumulates the hidden gradient (:func:`_forward`): only the hidden
+    needs a gradient (a frozen lm_head: LoRA, a reference model), and the call is plain (no entropy,
+    softcap or ``logits_dtype``, whose gradients would need more running sums). Then forward and
+    backward together cost two ``N x V x H`` matmuls, as the logits path's do, not four."""
+    return need[0] and not need[1] and not need[2] and not entropy and c.cap is None and c.logits_dtype is None
+
+
+def _backward_plan(p: Plan) -> Plan:
+    """The backward's tiles: half the forward's rows where a row's matmul bits do not depend on its
+    tile (not ``fixed_rows``), so that the one tile of logits' gradients alive beside the weight
+    gradient holds 8 MiB rather than 16 on the CPU (an extra peak at most that of torch's chunked
+    ``linear_cross_entropy``). A row's hidden gradient still sums the vocabulary blocks in the same
+    order; only the weight gradient's sum over row tiles is cut differently (deterministically)."""
+    return p if p.fixed_rows else p._replace(rows=max(MIN_GEMM_ROWS, p.rows // 2))
 
 
 def _backward(c: _Call, m, log2_s, ent, g_lp, g_ent, need) -> tuple:
@@ -315,7 +367,7 @@ def _backward(c: _Call, m, log2_s, ent, g_lp, g_ent, need) -> tuple:
     two in-place matmuls. ``m``, ``log2_s``, ``ent``, ``g_lp``, ``g_ent``: ``(N, 1)`` or None."""
     need_h, need_w, need_b = need
     n, hdim = c.hidden.shape
-    tiles = _tiles(n, c.tiles)
+    tiles = _tiles(n, _backward_plan(c.tiles))
     rows = _Rows(c, tiles)
     # per tile: label, max, log-sum (inf on padding rows: they get zero gradients), entropy, upstream
     per_tile = [(t.pad(c.idx), t.pad(m), t.pad(log2_s, _INF), t.pad(ent), t.pad(g_lp), t.pad(g_ent)) for t in tiles]
@@ -403,9 +455,12 @@ class _Stats(NamedTuple):
     ignored: Optional[torch.Tensor]
 
 
-def _outputs(c: _Call, ignored: Optional[torch.Tensor], entropy: bool):
-    """``(logp (N,), entropy (N,) or None, stats)``."""
-    m, s, u, zl = _forward(c, entropy)
+def _outputs(c: _Call, ignored: Optional[torch.Tensor], entropy: bool, accumulate: bool = False):
+    """``(logp (N,), entropy (N,) or None, stats, dh)``; ``dh`` (with ``accumulate``, else None):
+    ``d logp / d hidden`` per row, ``(W[label] - softmax @ W) / T`` ``(N, H)``: a frozen weight's
+    backward is then one scale by the upstream gradient."""
+    m, s, u, zl, acc = _forward(c, entropy, accumulate)
+    dh = None if acc is None else _label_minus_mean(acc.div_(s), c.weight, c.idx[:, 0], c.inv_t)
     base = torch.where(m == -_INF, 0.0, m)
     log_s = s.log()
     logp = ((zl - base) * c.inv_t - log_s)[:, 0]
@@ -413,7 +468,17 @@ def _outputs(c: _Call, ignored: Optional[torch.Tensor], entropy: bool):
         logp = logp.masked_fill(ignored, 0.0)
     ent = None if u is None else log_s + u * LN2 / s
     out_ent = None if ent is None else ent[:, 0].clone()
-    return logp, out_ent, _Stats(base, log_s * LOG2E, ent, ignored)
+    return logp, out_ent, _Stats(base, log_s * LOG2E, ent, ignored), dh
+
+
+def _label_minus_mean(mean: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor, inv_t: float,
+                      rows: int = 1024) -> torch.Tensor:
+    """``(weight[idx] - mean) * inv_t``, written over ``mean`` (``softmax @ weight``, ``(N, H)``) a
+    block of ``rows`` rows at a time, so that no second ``(N, H)`` buffer exists."""
+    mean.neg_()
+    for r0 in range(0, mean.shape[0], rows):
+        mean[r0:r0 + rows].add_(weight.index_select(0, idx[r0:r0 + rows]).to(mean.dtype))
+    return mean if inv_t == 1.0 else mean.mul_(inv_t)
 
 
 class _FusedCompiled(torch.autograd.Function):
@@ -421,8 +486,10 @@ class _FusedCompiled(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, c: _Call, ignored, entropy, labels, options):
-        logp, ent, stats = _outputs(c, ignored, entropy)
-        _warm_backward(c, True, entropy)
+        accumulate = _accumulates(c, entropy, tuple(ctx.needs_input_grad[:3]))
+        logp, ent, stats, ctx.dh = _outputs(c, ignored, entropy, accumulate)
+        if not accumulate:
+            _warm_backward(c, True, entropy)
         ctx.set_materialize_grads(False)
         ctx.call, ctx.stats, ctx.labels, ctx.options = c, stats, labels, options
         # c holds hidden, weight and bias detached; saving them too makes autograd check that
@@ -445,7 +512,21 @@ class _FusedCompiled(torch.autograd.Function):
             inputs = tuple(t if n else None for t, n in zip((hidden, weight, bias), need))
             return second_order_gradient(outputs, inputs, (g_lp, g_ent)) + (None,) * 5
         with torch.no_grad():
+            if ctx.dh is not None:  # a frozen weight: the hidden gradient was formed in forward
+                return (_scaled(ctx.dh, g_lp, st.ignored, hidden.dtype), None, None) + (None,) * 5
             return _first_order(hidden, bias, c, st, need, g_lp, g_ent) + (None,) * 5
+
+
+def _scaled(dh: torch.Tensor, g_lp: Optional[torch.Tensor], ignored: Optional[torch.Tensor],
+            dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The hidden gradient of a frozen weight's call: ``dh`` scaled by each row's upstream gradient
+    (zero on ignored rows)."""
+    if g_lp is None:
+        return None
+    g = g_lp.reshape(-1, 1).to(dh.dtype)
+    if ignored is not None:
+        g = g.masked_fill(ignored.reshape(-1, 1), 0.0)
+    return (dh * g).to(dtype)
 
 
 def _first_order(hidden, bias, c: _Call, st, need, g_lp, g_ent) -> tuple:
@@ -477,6 +558,14 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
                                         logits_dtype=logits_dtype)
     flat = hidden.reshape(n, hdim)
     y = labels.reshape(n).long()
+    if not return_entropy:  # every row's entropy is an output; without it, only active rows cost
+        def active(h, lab):
+            return logprobs_from_hidden(h, weight, lab, bias=bias, temperature=temperature, ignore_index=None,
+                                        return_entropy=False, softcap=softcap, logits_dtype=logits_dtype)
+
+        out = on_active_rows(active, flat, y, ignore_index)
+        if out is not None:
+            return out.view(lead)
     ignored = None if ignore_index is None else y == ignore_index
     idx = y if ignored is None else y.masked_fill(ignored, 0)
     tiles = plan(weight.shape[0], hdim, hidden.dtype, hidden.device.type)
@@ -487,7 +576,7 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
                        softcap=softcap, logits_dtype=logits_dtype)
         out = _FusedCompiled.apply(flat, weight, bias, c, ignored, return_entropy, y, options)
     else:
-        logp, ent, _ = _outputs(c, ignored, return_entropy)
+        logp, ent, _, _ = _outputs(c, ignored, return_entropy)
         out = (logp, ent) if return_entropy else logp
     if return_entropy:
         return out[0].view(lead), out[1].view(lead)

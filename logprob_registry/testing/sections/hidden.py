@@ -45,14 +45,16 @@ SHAPE_VOCAB = {"1d": 300, "empty": 300, "strided": 300, "3d": VOCAB, "vocab-1": 
 def check_hidden(lp: Harness, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  labels: torch.Tensor, *, grads: bool = True, used: Optional[int] = None,
                  grad_of: Sequence[str] = INPUTS, seed: int = 11, what: str = OP,
-                 forward_context: Callable[[], ContextManager] = contextlib.nullcontext, **options) -> None:
+                 forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
+                 upstreams: Optional[Sequence[torch.Tensor]] = None, **options) -> None:
     """``logprobs_from_hidden`` of ``lp``'s backend against float64 autograd of the reference:
     the outputs (dtype, device, shape, values), and, when ``grads`` and the backend declares
     autograd, the gradients of the inputs named in ``grad_of`` (the others need none) under random
     upstream gradients on every output (on output ``used`` only, if given: backward then receives
     no gradient for the other). ``options``: ``temperature``, ``ignore_index``,
     ``return_entropy``. Leaves keep the inputs' strides (gaps included), so a strided input is a
-    strided leaf. ``forward_context()`` is entered around the call alone (``torch.autocast``, say)."""
+    strided leaf. ``forward_context()`` is entered around the call alone (``torch.autocast``, say).
+    ``upstreams``: the float64 upstream gradients of the outputs (default: random, unit scale)."""
     grads = grads and lp.backend.autograd
     dtype = hidden.dtype
     temperature = options.get("temperature", 1.0)
@@ -71,7 +73,7 @@ def check_hidden(lp: Harness, hidden: torch.Tensor, weight: torch.Tensor, bias: 
     if not wanted:
         return
     chosen = list(range(len(want))) if used is None else [used]
-    ups = upstream(want, seed)
+    ups = list(upstreams) if upstreams is not None else upstream(want, seed)
     ups, skip = [ups[i] for i in chosen], [torch.isinf(want[i].detach()) for i in chosen]  # -inf: no gradient
     loss = weighted_sum([got[i] for i in chosen], ups, skip)
     assert isinstance(loss, torch.Tensor) and loss.requires_grad, (
@@ -395,6 +397,59 @@ class HiddenSection:
                 assert torch.equal(part, full[rows]), (
                     f"{OP}: {name} of rows {rows.start}..{rows.stop - 1} alone differs from the same rows "
                     "in a batch of 40")
+
+    # ------------------------------------------------------------- RL steps
+    @covers(OP, grad=True)
+    @pytest.mark.parametrize("weight_grad", ["trainable", "frozen"])
+    def test_hidden_upstream_gradients(self, lp: Harness, weight_grad: str) -> None:
+        """Per-token upstream gradients as an RL loss makes them (advantages times ratios): zeros,
+        negatives and a 1e6 range of magnitudes across rows, with ignored rows; each gradient
+        element is checked at the scale of its own rows' upstream gradients, so that a small row
+        beside large ones is checked too (a fused kernel that scales the gradient by one number
+        per batch, or drops a row's sign, fails here; Liger-Kernel #1298 gave wrong weight gradients
+        for per-token upstream gradients). ``frozen``: the weight and bias need no gradient, the
+        path of a LoRA step or a reference model."""
+        lp.require(OP, torch.float32, grad=True, vocab=300)
+        h, w, b, y = _inputs(lp, (61,), h=32, v=300)
+        y[::4] = -100
+        g = torch.Generator().manual_seed(5)
+        ups = torch.randn(61, generator=g, dtype=torch.float64) * 10.0 ** (6 * torch.rand(61, generator=g) - 3)
+        ups[::5] = 0.0
+        ups[1], ups[2] = -1e3, 1e-3
+        grad_of = INPUTS if weight_grad == "trainable" else ("hidden",)
+        check_hidden(lp, h, w, b, y, grad_of=grad_of, upstreams=[ups], ignore_index=-100, temperature=0.9,
+                     what=f"{OP} with RL-like upstream gradients, {weight_grad} weight")
+
+    @covers(OP, grad=True)
+    @pytest.mark.parametrize("weight_grad", ["trainable", "frozen"])
+    def test_hidden_ignored_rows(self, lp: Harness, weight_grad: str) -> None:
+        """Rows whose label is ``ignore_index`` (most rows of a GRPO batch are prompt tokens):
+        their log-probability is 0 and their hidden gradient exactly 0, and (batch-invariant
+        backends) the active rows' results and hidden gradients are bitwise those of a call in
+        which every row is active."""
+        lp.require(OP, torch.float32, grad=True, vocab=300)
+        h, w, b, y = _inputs(lp, (50,), v=300)
+        ignored = torch.zeros(50, dtype=torch.bool)
+        ignored[torch.randperm(50, generator=torch.Generator().manual_seed(2))[:40]] = True
+        sparse = y.masked_fill(ignored.to(y.device), -100)
+
+        def run(labels):
+            leaf = h.clone().requires_grad_(True)
+            weight = w.clone().requires_grad_(weight_grad == "trainable")
+            out = lp.call_hidden(leaf, weight, labels, bias=b, ignore_index=-100)[0]
+            (grad,) = torch.autograd.grad(out.sum(), leaf)
+            return out.detach(), grad
+
+        out, grad = run(sparse)
+        on = ignored.to(out.device)
+        assert bool((out[on] == 0).all()), f"{OP}: an ignored row's log-probability is not 0"
+        assert bool((grad[on] == 0).all()), f"{OP}: an ignored row's hidden gradient is not 0"
+        check_hidden(lp, h, w, b, sparse, ignore_index=-100, grad_of=INPUTS if weight_grad == "trainable" else
+                     ("hidden",), what=f"{OP} with 40 of 50 rows ignored, {weight_grad} weight")
+        if lp.backend.batch_invariant:
+            full_out, full_grad = run(y)
+            assert torch.equal(out[~on], full_out[~on]) and torch.equal(grad[~on], full_grad[~on]), (
+                f"{OP}: an active row's result or hidden gradient depends on which other rows are ignored")
 
     # ---------------------------------------------------------------- bad input
     @covers(OP)
