@@ -159,6 +159,11 @@ class Backend:
       below this size (a backend whose fixed cost is not worth paying on small rows); an
       explicit choice is unaffected. Buckets, not exact sizes, so that the choice never depends
       on anything but the vocabulary's bucket (``registry.key.VOCAB_BUCKETS``);
+    - ``min_size``: optional ``{op: size}``: the automatic choice passes it over for calls of that
+      op whose buckets allow less than ``size`` of work per row: the vocabulary bucket's upper edge,
+      times the hidden-size bucket's upper edge for an op given hidden states (V x H,
+      ``registry.key.key_size``); ``{"logprobs_from_hidden": 1 << 23}`` leaves the fused op's
+      small shapes to the others. Buckets only, never rows; an explicit choice is unaffected;
     - capabilities (:data:`CAPABILITIES`): what it promises, each checked by the suite;
     - ``prepare``: optional ``f(request) -> [Prepared, ...]`` that builds the backend's kernels
       ahead of time, so that a later process's first call need not (``logprob-registry warmup``
@@ -188,6 +193,7 @@ class Backend:
     available: Optional[Availability] = None
     features: frozenset = frozenset()
     min_vocab: int = 0
+    min_size: Mapping[str, int] = field(default_factory=dict)
     inplace_backward: bool = False
     batch_invariant: bool = False
     deterministic: bool = True
@@ -248,6 +254,14 @@ class Backend:
                             f"use -10 to 30, 50 or more wins wherever eligible), got {self.priority!r}")
         if isinstance(self.min_vocab, bool) or not isinstance(self.min_vocab, int) or self.min_vocab < 0:
             raise ValueError(f"backend {self.name!r}: min_vocab must be an int >= 0, got {self.min_vocab!r}")
+        min_size = dict(self.min_size or {})
+        for op, size in min_size.items():
+            if op not in OPS or op not in self.ops:
+                raise ValueError(f"backend {self.name!r}: min_size names {op!r}, which it does not implement; "
+                                 f"give sizes for its own ops ({', '.join(sorted(self.ops))})")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ValueError(f"backend {self.name!r}: min_size[{op!r}] must be an int >= 0 (V, or V x H for "
+                                 f"an op given hidden states), got {size!r}")
         features = frozenset({self.features} if isinstance(self.features, str) else self.features)
         unknown = sorted(features - set(FEATURES))
         if unknown:
@@ -280,6 +294,7 @@ class Backend:
         set_(self, "dtypes", dtypes)
         set_(self, "requires", requires)
         set_(self, "features", features)
+        set_(self, "min_size", min_size)
         set_(self, "available", available)
         set_(self, "available_on", None)
         set_(self, "triton", "")

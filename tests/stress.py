@@ -22,6 +22,7 @@ import logprob_registry as lr
 from logprob_registry import reference as ref
 from logprob_registry.config import ConfigError
 from logprob_registry.registry import Key, vocab_bucket
+from logprob_registry.registry.key import hidden_bucket
 
 _served = threading.local()
 
@@ -46,9 +47,11 @@ def served():
     return name
 
 
-def explained(op, dtype, grad, vocab, features=frozenset()):
-    """What explain names for the kind of call (as ops.py builds its key: vocabulary bucket, features)."""
-    return lr.get_registry().explain(Key(op, "cpu", dtype, grad, frozenset(features), vocab_bucket(vocab))).chosen
+def explained(op, dtype, grad, vocab, features=frozenset(), hidden=None):
+    """What explain names for the kind of call (as ops.py builds its key: vocabulary bucket, features,
+    and for the fused op the hidden size's bucket)."""
+    return lr.get_registry().explain(Key(op, "cpu", dtype, grad, frozenset(features), vocab_bucket(vocab),
+                                         hidden_bucket(hidden))).chosen
 
 
 def close(got, want, what, tol=1e-4):
@@ -215,7 +218,7 @@ def _valid_hidden(seed):
     close(out, want, "hidden logprobs")
     close(h.grad, h64.grad, "hidden's gradient")
     close(w.grad, w64.grad, "weight's gradient")
-    return name, explained("logprobs_from_hidden", torch.float32, True, VOCAB)
+    return name, explained("logprobs_from_hidden", torch.float32, True, VOCAB, hidden=16)
 
 
 def _valid_bf16(seed):

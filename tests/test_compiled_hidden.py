@@ -184,6 +184,75 @@ def test_batch_invariant_with_the_default_tiles():
                 assert torch.equal(a, b[rows]), f"{name} of rows {rows} differs from the batch of 1030"
 
 
+# --------------------------------------------------------------------------------- RL steps
+@needs_compiler
+@pytest.mark.parametrize("bias", [False, True])
+def test_frozen_weight_forms_the_hidden_gradient_in_forward(small_tiles, monkeypatch, bias):
+    """A weight (and bias) without ``requires_grad``: the forward accumulates ``softmax @ W`` across
+    tiles (its running sum rescaled as the max grows) and the backward recomputes no tile; the
+    hidden gradient is float64's, through several row and vocabulary tiles and a temperature."""
+    hidden, weight, b, labels = make_inputs(n=70, v=130, bias=bias, seed=4)
+    labels[::3] = -100
+    recomputed = []
+    monkeypatch.setattr(ch, "_backward", lambda *a, **k: recomputed.append(1))
+    h = hidden.clone().requires_grad_(True)
+    out = call(h, weight, labels, bias=b, temperature=0.7, ignore_index=-100)
+    up = torch.linspace(-3, 5, 70, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((out * up.float()).sum(), h)
+    h64 = hidden.double().requires_grad_(True)
+    want = ref.logprobs_from_hidden(h64, weight.double(), labels, bias=None if b is None else b.double(),
+                                    temperature=0.7, ignore_index=-100)
+    (grad64,) = torch.autograd.grad((want * up).sum(), h64)
+    assert not recomputed
+    assert (out.double() - want).abs().max() < 1e-5
+    assert (grad.double() - grad64).abs().max() < 1e-5 * grad64.abs().max()
+    assert bool((grad[::3] == 0).all())
+
+
+@needs_compiler
+def test_the_hidden_gradient_is_formed_in_forward_only_when_it_is_the_only_one_needed(monkeypatch):
+    """The running ``softmax @ W`` costs a matmul a tile: it is accumulated only when the hidden needs
+    a gradient and the weight does not, never under ``torch.no_grad()``, nor with the entropy."""
+    hidden, weight, _, labels = make_inputs(n=20, v=50, bias=False, seed=6)
+    seen = []
+    real = ch._forward
+    monkeypatch.setattr(ch, "_forward", lambda c, entropy, accumulate=False: seen.append(accumulate) or
+                        real(c, entropy, accumulate))
+    with torch.no_grad():
+        call(hidden.requires_grad_(True), weight, labels)
+    call(hidden, weight.clone().requires_grad_(True), labels)
+    call(hidden, weight, labels, return_entropy=True)
+    call(hidden, weight, labels)
+    assert seen == [False, False, False, True]
+
+
+@needs_compiler
+def test_ignored_rows_cost_nothing_and_change_no_active_row(monkeypatch):
+    """Only the active rows reach the tiles, forward and backward; their results and gradients are
+    bitwise those of the call in which every row is active; ignored rows get 0 and zero gradients."""
+    hidden, weight, _, labels = make_inputs(n=300, v=200, bias=False, seed=8)
+    ignored = torch.rand(300, generator=torch.Generator().manual_seed(1)) < 0.8
+    rows = []
+    real = ch._forward
+    monkeypatch.setattr(ch, "_forward", lambda c, *a: rows.append(c.hidden.shape[0]) or real(c, *a))
+
+    def run(y):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = call(h, w, y, ignore_index=-100)
+        gh, gw = torch.autograd.grad(out.sum(), (h, w))
+        return out, gh, gw
+
+    out, gh, gw = run(labels.masked_fill(ignored, -100))
+    assert rows == [int((~ignored).sum())]
+    full, full_gh, _ = run(labels)
+    assert torch.equal(out[~ignored], full[~ignored]) and torch.equal(gh[~ignored], full_gh[~ignored])
+    assert bool((out[ignored] == 0).all()) and bool((gh[ignored] == 0).all())
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    want = ref.logprobs_from_hidden(h64, w64, labels.masked_fill(ignored, -100), ignore_index=-100)
+    (gw64,) = torch.autograd.grad(want.sum(), w64)
+    assert (gw.double() - gw64).abs().max() < 1e-5
+
+
 # --------------------------------------------------------------------------------- memory
 @needs_compiler
 def test_backward_keeps_no_logits():
@@ -221,15 +290,16 @@ def fresh():
 @needs_compiler
 def test_one_compile_covers_tokens_vocabularies_hidden_sizes_and_temperatures(fresh):
     """Five calls with gradients and different N, V, H and temperature (bf16 among them: upcast
-    outside the kernels) cost one forward and one backward compile."""
+    outside the kernels), two of them with a frozen weight, cost one compile of each kernel."""
     for i, (n, h, v, dtype) in enumerate([(5, 24, 97, torch.float32), (40, 32, 1500, torch.float32),
                                           (4110, 16, 3000, torch.bfloat16), (17, 8, 50, torch.float32),
                                           (64, 24, 2049, torch.float32)]):
         hidden, weight, bias, labels = make_inputs(n=n, h=h, v=v, dtype=dtype, seed=i)
         hidden.requires_grad_(True)
+        weight.requires_grad_(i % 2 == 0)  # odd: a frozen weight, whose forward kernel is fwd_acc_step
         out = call(hidden, weight, labels, bias=bias, temperature=(0.5, 1.0, 1.3, 2.0, 0.9)[i])
         out.sum().backward()
-    assert ch.compile_counts() == {"fwd_step": 1, "bwd_step": 1}
+    assert ch.compile_counts() == {"fwd_step": 1, "bwd_step": 1, "fwd_acc_step": 1}
 
 
 @needs_compiler
@@ -240,10 +310,12 @@ def test_compile_failure_raises_from_the_forward_and_falls_back(fresh, monkeypat
         raise RuntimeError("injected inductor failure")
 
     monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", broken)
-    hidden, weight, bias, labels = make_inputs(v=300)  # compiled's min_vocab is 257
+    # compiled's min_size for the fused op lies above every bounded bucket: the automatic choice
+    # takes it for vocabularies above the last bucket (262144) only
+    hidden, weight, bias, labels = make_inputs(h=16, v=262200)
     with pytest.raises(compiled.CompileError, match="logprobs_from_hidden fwd_step kernel failed .* injected"):
         call(hidden, weight, labels, bias=bias)
-    assert lr.select("logprobs_from_hidden", device="cpu", shape=(37, 300)).name == "compiled"
+    assert lr.select("logprobs_from_hidden", device="cpu", shape=(37, 262200), hidden_size=16).name == "compiled"
     with pytest.warns(lr.BackendFallbackWarning, match="injected inductor failure"):
         out = lr.logprobs_from_hidden(hidden, weight, labels, bias=bias)
     expected = lr.logprobs_from_hidden(hidden, weight, labels, bias=bias, backend="chunked")
@@ -256,8 +328,9 @@ def test_backward_compile_failure_surfaces_in_the_forward(fresh, monkeypatch):
     call(hidden, weight, labels, bias=bias)  # the forward kernel compiles
     monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", lambda *a, **k: 1 / 0)
     leaf = hidden.clone().requires_grad_(True)
+    trained = weight.clone().requires_grad_(True)  # (a frozen weight's plain call has no backward kernel)
     with pytest.raises(compiled.CompileError, match="bwd_step kernel failed .*ZeroDivisionError"):
-        call(leaf, weight, labels, bias=bias)
+        call(leaf, trained, labels, bias=bias)
 
 
 @needs_compiler

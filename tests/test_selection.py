@@ -162,7 +162,7 @@ def test_selection_is_cached_per_key_and_environment(registry):
     key = Key("logprobs", "cpu", torch.float32, False)
     calls = []
     original = registry._dispatcher.verdicts
-    registry._dispatcher.verdicts = lambda k: calls.append(k) or original(k)
+    registry._dispatcher.verdicts = lambda k, *strict: calls.append(k) or original(k, *strict)
     assert registry.select(key) is registry.select(key)
     assert calls == [key]
     registry.install_env(Environment.fake(torch="2.1.0"))  # a new environment: chosen again
@@ -322,3 +322,40 @@ def test_import_resolves_the_default_for_the_main_device():
     reg = lr.get_registry()
     assert reg.default is not None
     assert reg.default.name == lr.select("logprobs").name
+
+
+def test_the_fused_op_declarations_leave_the_fused_op_to_chunked():
+    """compiled declares a min_size for logprobs_from_hidden above every bounded bucket (docs/tuning.md:
+    chunked's fused op measured as fast or faster on the CPU): the automatic choice is chunked at
+    every measured (V, H), compiled skipped with the reason; above the last vocabulary bucket
+    compiled is not passed over; rows never matter."""
+    for shape, h in (((256, 4096), 256), ((4096, 32768), 1024), ((4096, 151936), 2048)):
+        report = lr.explain("logprobs_from_hidden", device="cpu", shape=shape, hidden_size=h)
+        assert report.chosen == "chunked"
+        if report["compiled"].reason is None:  # compiled needs a C++ compiler
+            assert report["compiled"].status == "skipped"
+            assert "min_size['logprobs_from_hidden']" in report["compiled"].why
+    huge = lr.explain("logprobs_from_hidden", device="cpu", shape=(8, 300000), hidden_size=64)
+    assert huge["compiled"].status != "skipped"
+    for rows in (1, 7, 4096):
+        assert lr.select("logprobs_from_hidden", device="cpu", shape=(rows, 4096), hidden_size=256).name == "chunked"
+    # other ops keep their keys and choices: no hidden bucket, no size rule of the fused op
+    assert lr.explain("logprobs", device="cpu", shape=(256, 4096), hidden_size=256).key == \
+        lr.explain("logprobs", device="cpu", shape=(256, 4096)).key
+
+
+def test_a_fused_call_runs_what_explain_names(monkeypatch):
+    """The key a call makes holds its hidden bucket: the backend that runs is the one explain names
+    for that shape and hidden size."""
+    ran = []
+    registry = lr.get_registry()
+    chunked = registry.get("chunked").ops["logprobs_from_hidden"]
+    monkeypatch.setitem(registry.get("chunked").ops, "logprobs_from_hidden",
+                        lambda *a, **k: ran.append("chunked") or chunked(*a, **k))
+    registry.reset()
+    try:
+        h, w, y = torch.randn(5, 16), torch.randn(4096, 16), torch.randint(0, 4096, (5,))
+        lr.logprobs_from_hidden(h, w, y)
+        assert ran == ["chunked"] == [lr.select("logprobs_from_hidden", device="cpu", shape=(5, 4096), hidden_size=16).name]
+    finally:
+        registry.reset()

@@ -241,3 +241,156 @@ def test_the_ranking_source_is_the_registrys_parameter(tmp_path, monkeypatch):
     assert given.explain(wide).chosen == "slow"
     assert isinstance(lr.get_registry().ranking, cache.Tuning)
     assert lr.get_registry().tuning_status().startswith("tuning: off")
+
+
+# ---------------------------------------------------------------- the fused op: hidden-size buckets
+
+def _fused(hidden, weight, labels, **kw):
+    return torch.zeros(labels.shape)
+
+
+class Fused:
+    """Three fused-op backends: one declaring a minimum V x H, two plain."""
+
+    @lr.hookimpl
+    def register_backends(self, register):
+        register(lr.Backend(name="fused-big", ops={"logprobs_from_hidden": _fused}, priority=20,
+                            min_size={"logprobs_from_hidden": 1 << 23}))
+        register(lr.Backend(name="fused-any", ops={"logprobs_from_hidden": _fused}, priority=10))
+        register(lr.Backend(name="fused-slow", ops={"logprobs_from_hidden": _fused}, priority=0))
+
+
+@pytest.fixture
+def fused(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", str(tmp_path / "tuning.json"))
+    reg = Registry(builtins=(), entry_points=False, environment=ENV, ranking=cache.Tuning())
+    reg.add_plugin(Fused(), name="fused")
+    return reg
+
+
+def test_hidden_buckets_and_the_key_of_the_fused_op():
+    from logprob_registry.call import key_for, validate
+    from logprob_registry.registry.key import hidden_bucket, hidden_range, key_size
+
+    assert [hidden_bucket(h) for h in (0, 1, 256, 257, 1024, 2048, 4096, 8192, 16385)] == \
+        [0, 256, 256, 1024, 1024, 4096, 4096, 16384, -1]
+    assert hidden_range(1024) == (257, 1024) and hidden_range(-1) == (16385, None)
+    assert key_for("logprobs_from_hidden", device="cpu", vocab=4096, hidden_size=2048).hidden == 4096
+    # the other ops' keys never hold a hidden bucket, whatever is passed
+    assert key_for("logprobs", device="cpu", vocab=4096, hidden_size=2048) == key_for("logprobs", device="cpu", vocab=4096)
+    assert key_size("logprobs", 65536, 0) == 65536 and key_size("logprobs_from_hidden", 16384, 256) == 1 << 22
+    assert key_size("logprobs_from_hidden", 16384, 0) is None  # H not known: no size rule
+    assert key_size("logprobs_from_hidden", -1, 256) == float("inf")
+    # the key a call makes: the V and H buckets, never the rows
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(300, 40, generator=g)
+    keys = set()
+    for rows in (1, 64):
+        call = validate("logprobs_from_hidden", dict(hidden=torch.randn(rows, 40, generator=g), weight=weight,
+                                                     labels=torch.zeros(rows, dtype=torch.long)))
+        keys.add(call.key)
+    assert keys == {key_for("logprobs_from_hidden", device="cpu", vocab=300, hidden_size=40)}
+    assert "hidden sizes of 1 to 256" in next(iter(keys)).describe()
+    logits_call = validate("logprobs", dict(logits=torch.randn(3, 300), labels=torch.zeros(3, dtype=torch.long)))
+    assert logits_call.key.hidden == 0
+
+
+def test_min_size_passes_a_backend_over_for_small_v_times_h_only(fused):
+    from logprob_registry.registry.key import hidden_bucket
+
+    def key(v, h):
+        return Key("logprobs_from_hidden", "cpu", torch.float32, False, vocab=vocab_bucket(v),
+                   hidden=hidden_bucket(h))
+
+    small = fused.explain(key(4096, 256))  # at most 16384 x 256 = 2^22 per row
+    assert small.chosen == "fused-any" and small["fused-big"].status == "skipped"
+    assert small["fused-big"].why == (
+        "not worth it for vocabularies of 2049 to 16384 and hidden sizes of 1 to 256 (V x H at most 4194304; "
+        "declares min_size['logprobs_from_hidden']=8388608); choose it explicitly to use it anyway")
+    assert fused.explain(key(4096, 1024)).chosen == "fused-big"      # 16384 x 1024 = 2^24
+    assert fused.explain(key(151936, 256)).chosen == "fused-big"
+    # H not known (explain without hidden_size): no size rule applies
+    assert fused.explain(Key("logprobs_from_hidden", "cpu", torch.float32, False, vocab=16384)).chosen == "fused-big"
+    assert fused.select(key(4096, 256), backend="fused-big").name == "fused-big"
+
+
+def test_min_size_is_checked_when_declared():
+    with pytest.raises(ValueError, match="min_size names 'logprobs', which it does not implement"):
+        lr.Backend(name="x", ops={"logprobs_from_hidden": _fused}, min_size={"logprobs": 10})
+    with pytest.raises(ValueError, match=r"min_size\['logprobs_from_hidden'\] must be an int >= 0"):
+        lr.Backend(name="x", ops={"logprobs_from_hidden": _fused}, min_size={"logprobs_from_hidden": -1})
+
+
+def test_a_ranking_of_the_fused_op_applies_to_its_v_and_h_buckets(fused, tmp_path):
+    from logprob_registry.registry.key import hidden_bucket
+
+    name = cache.key_string("logprobs_from_hidden", "cpu", torch.float32, True, 65536, 1024)
+    assert name == "logprobs_from_hidden|cpu|float32|grad|65536|h1024"
+    _write(tmp_path / "tuning.json", {name: dict(times={"fused-slow": 0.001, "fused-big": 0.003}, vocab=32768,
+                                                hidden=1024)})
+    measured = Key("logprobs_from_hidden", "cpu", torch.float32, True, vocab=65536, hidden=hidden_bucket(1024))
+    report = fused.explain(measured)
+    assert report.chosen == "fused-slow" and [c.name for c in report.candidates][:2] == ["fused-slow", "fused-big"]
+    assert "measured" in str(report) and "1 ms" in str(report)
+    # another hidden bucket of the same vocabulary: not measured, priority decides
+    other = fused.explain(measured._replace(hidden=hidden_bucket(2048)))
+    assert other.chosen == "fused-big" and "measured" not in str(other)
+    # a measurement beats a min_size declaration
+    small = cache.key_string("logprobs_from_hidden", "cpu", torch.float32, False, 16384, 256)
+    _write(tmp_path / "tuning.json", {small: dict(times={"fused-big": 0.001, "fused-any": 0.002}, vocab=4096,
+                                                 hidden=256)})
+    fused.reset()
+    assert fused.explain(Key("logprobs_from_hidden", "cpu", torch.float32, False, vocab=16384, hidden=256)).chosen \
+        == "fused-big"
+    assert cache.load(str(tmp_path / "tuning.json")).entries[small].hidden == 256
+
+
+def test_tune_of_the_fused_op_writes_v_and_h_buckets_and_explain_shows_them(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "ranking.json"
+    monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", str(path))
+    assert main(["tune", "--op", "logprobs_from_hidden", "--dtype", "float32", "--grad", "no", "--vocab", "100",
+                 "--hidden", "16,300", "--rows", "4", "--repeat", "1", "--backend", "naive", "--backend",
+                 "chunked"]) == 0
+    out = capsys.readouterr().out
+    assert "logprobs_from_hidden float32 fwd V=100 H=16:" in out and f"wrote 2 keys to {path}" in out
+    doc = json.loads(path.read_text())
+    assert set(doc["entries"]) == {"logprobs_from_hidden|cpu|float32|nograd|256|h256",
+                                   "logprobs_from_hidden|cpu|float32|nograd|256|h1024"}
+    entry = doc["entries"]["logprobs_from_hidden|cpu|float32|nograd|256|h256"]
+    assert set(entry["times"]) == {"naive", "chunked"} and entry["hidden"] == 16 and entry["vocab"] == 100
+    fastest = min(entry["times"], key=entry["times"].get)
+    try:
+        lr.get_registry().reset()
+        assert lr.select("logprobs_from_hidden", device="cpu", shape=(3, 100), hidden_size=16).name == fastest
+        text = str(lr.explain("logprobs_from_hidden", device="cpu", shape=(3, 100), hidden_size=16))
+        assert "measured" in text and "hidden sizes of 1 to 256" in text
+        # without the hidden size the key is another one: nothing measured shows
+        assert "measured" not in str(lr.explain("logprobs_from_hidden", device="cpu", shape=(3, 100)))
+    finally:
+        monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", "off")
+        lr.get_registry().reset()
+
+
+def test_tune_covers_every_op_of_the_table_with_examples():
+    from logprob_registry.opspec import OPS
+    from logprob_registry.tuning.measure import TUNED_OPS, Plan
+
+    assert {"logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden", "topk_logprobs",
+            "kl_divergence"} <= set(TUNED_OPS)
+    assert all(OPS[op].examples is not None for op in TUNED_OPS)
+    plan = Plan(ops=("logprobs", "logprobs_from_hidden"), dtypes=(torch.float32,), grads=(False,),
+                vocabs=(1000,), hiddens=(256, 2048))
+    keys = plan.keys()
+    assert [(k.op, k.hidden, h) for k, _, h in keys] == [("logprobs", 0, None), ("logprobs_from_hidden", 256, 256),
+                                                         ("logprobs_from_hidden", 4096, 2048)]
+    # rows of a hidden op fit both caps: V=151936, H=2048 leaves 220 rows
+    assert Plan(rows=(16, 256, 2048)).rows_for(151936, 2048) == [16]
+    assert Plan(rows=(256,)).rows_for(151936, 2048) == [220]
+
+
+@pytest.mark.parametrize("op", ["topk_logprobs", "kl_divergence", "entropy"])
+def test_the_smoke_check_and_timing_work_from_the_op_table_alone(op):
+    from logprob_registry.tuning.measure import smoke, time_call
+
+    assert smoke(op, "naive", 50, torch.float32, "cpu", True) is None
+    assert time_call(op, "naive", 3, 50, torch.float32, "cpu", True, repeat=1, warmup=0, seed=0) > 0

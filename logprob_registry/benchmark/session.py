@@ -197,7 +197,8 @@ def methods(s: Setting, only: Sequence[str]) -> Tuple[List[dict], object]:
     # features its options need (kl_divergence's weights: kl_hidden) narrow the backends
     features = s.spec.features_used({n: True for n in s.hidden_weights})
     expl = get_registry().explain(key_for(s.op, device=s.device_type, dtype=s.torch_dtype,
-                                          requires_grad=s.backward, features=features, vocab=s.logits_shape[-1]))
+                                          requires_grad=s.backward, features=features, vocab=s.logits_shape[-1],
+                                          hidden_size=s.hidden_size))
     names = [c.name for c in expl.candidates if c.reason is None and c.broken is None]
     for name in only:
         if name not in names:

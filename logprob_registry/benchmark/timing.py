@@ -3,8 +3,8 @@ synchronised around each, everything that is not the call's work (fresh inputs, 
 outside the clock.
 
 ``bench`` runs it in a child process per method (:mod:`.child`, so that a method's caches, allocator
-state or crash never touch the next); ``tune`` runs it in its own process, on the same
-:class:`~.workload.Workload`, and ranks by the median (:mod:`logprob_registry.tuning.measure`).
+state or crash never touch the next); ``tune`` runs :func:`time_calls` in its own process, on
+each op's example inputs from the op table, and ranks by the median (:mod:`logprob_registry.tuning.measure`).
 """
 
 from __future__ import annotations

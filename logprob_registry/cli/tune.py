@@ -10,17 +10,19 @@ from ..dtypes import parse_dtype
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..tuning.measure import ROWS, TUNED_OPS, VOCABS
+    from ..tuning.measure import HIDDENS, ROWS, TUNED_OPS, VOCABS
 
     parser.add_argument("--device", default=None, help="device type to tune (default: the main device)")
-    parser.add_argument("--op", default="logprobs,logprobs_and_entropy",
-                        help=f"ops to measure, comma-separated, among {', '.join(TUNED_OPS)} "
-                             "(default logprobs,logprobs_and_entropy)")
+    parser.add_argument("--op", default=",".join(TUNED_OPS),
+                        help=f"ops to measure, comma-separated, among {', '.join(TUNED_OPS)} (default: all of them)")
     parser.add_argument("--dtype", default="float32,bfloat16", help="logits dtypes (default float32,bfloat16)")
     parser.add_argument("--grad", choices=("both", "yes", "no"), default="both",
                         help="forward only (no), forward+backward (yes) or both (default)")
     parser.add_argument("--vocab", default=",".join(map(str, VOCABS)),
                         help="vocabulary sizes, one per bucket that matters (default %(default)s)")
+    parser.add_argument("--hidden", default=",".join(map(str, HIDDENS)),
+                        help="hidden sizes, one per hidden-size bucket that matters, for the ops given hidden "
+                             "states (logprobs_from_hidden; default %(default)s)")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)),
                         help="row counts measured per key; the ranking uses their geometric mean "
                              "(default %(default)s)")
@@ -78,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     path = args.output or cache.path_in_force() or cache.default_path()
     grads = {"both": (False, True), "yes": (True,), "no": (False,)}[args.grad]
     plan = Plan(device=device, ops=ops, dtypes=dtypes, grads=grads, vocabs=_ints(args.vocab, "vocab"),
-                rows=_ints(args.rows, "rows"), backends=args.backend, repeat=args.repeat)
+                hiddens=_ints(args.hidden, "hidden"), rows=_ints(args.rows, "rows"), backends=args.backend,
+                repeat=args.repeat)
     if args.quick:
         plan.repeat, plan.warmup, plan.quick = 2, 1, True
     print(f"tune: {len(plan.keys())} keys on {device}; writing {path}", file=sys.stderr, flush=True)

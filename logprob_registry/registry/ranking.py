@@ -13,7 +13,7 @@ from packaging.specifiers import SpecifierSet
 from ..backend import Backend
 from ..dtypes import dtype_name
 from ..environment import Environment, device_label
-from .key import Key, bucket_range, describe_bucket
+from .key import Key, bucket_range, describe_bucket, describe_hidden, key_size
 
 if TYPE_CHECKING:
     from ..tuning.cache import Entry
@@ -107,7 +107,9 @@ def rank(backends: Iterable[Backend], key: Key, env: Environment, broken: Option
     Without a measured ``Entry`` (a tuning ranking for the key), priority orders them; with one,
     the backends measured come first, fastest first, then the others by priority, and a backend
     that failed the tuning smoke check is passed over. A backend whose ``min_vocab`` lies above the
-    key's vocabulary bucket is passed over too (explicit choice is unaffected by either)."""
+    key's vocabulary bucket, or whose ``min_size`` for the op lies above the key's size
+    (``key.key_size``: V, or V x H for hidden states), is passed over too unless measured for the
+    key (explicit choice is unaffected by either)."""
     verdicts = []
     low = bucket_range(key.vocab)[0] if key.vocab else None
     for b in order(backends):
@@ -117,6 +119,8 @@ def rank(backends: Iterable[Backend], key: Key, env: Environment, broken: Option
         if reason is None and low is not None and low < b.min_vocab and not timed:
             skipped = (f"not worth it for {describe_bucket(key.vocab)} (declares min_vocab={b.min_vocab}); "
                        "choose it explicitly to use it anyway")
+        if reason is None and skipped is None and not timed and key.op in b.min_size:
+            skipped = _below_min_size(b, key)
         if reason is None and measured is not None and b.name in measured.failed:
             skipped = f"failed the tuning smoke check: {measured.failed[b.name]}"
         seconds = measured.times.get(b.name) if measured is not None else None
@@ -125,6 +129,19 @@ def rank(backends: Iterable[Backend], key: Key, env: Environment, broken: Option
     if measured is not None:
         verdicts.sort(key=lambda v: (v.measured is None, v.measured or 0.0))  # stable: priority among the rest
     return verdicts
+
+
+def _below_min_size(backend: Backend, key: Key) -> Optional[str]:
+    """Why ``backend`` is passed over for ``key`` by its declared ``min_size`` for the op, or None
+    (also when the key's size is not known: without buckets no size rule applies)."""
+    size = key_size(key.op, key.vocab, key.hidden)
+    least = backend.min_size[key.op]
+    if size is None or size >= least:
+        return None
+    where = describe_bucket(key.vocab) + (f" and {describe_hidden(key.hidden)}" if key.hidden else "")
+    per_row = "V x H" if key.hidden else "V"
+    return (f"not worth it for {where} ({per_row} at most {int(size)}; declares min_size[{key.op!r}]={least}); "
+            "choose it explicitly to use it anyway")
 
 
 def automatic(verdicts: List[Verdict]) -> Optional[str]:

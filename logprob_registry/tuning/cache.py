@@ -44,8 +44,16 @@ def path_in_force() -> Optional[str]:
     return text or default_path()
 
 
-def key_string(op: str, device: str, dtype, requires_grad: bool, bucket: int) -> str:
-    return f"{op}|{device}|{dtype_name(dtype)}|{'grad' if requires_grad else 'nograd'}|{bucket}"
+def key_string(op: str, device: str, dtype, requires_grad: bool, bucket: int, hidden: int = 0) -> str:
+    """An entry's name in the file: op, device, dtype, gradients, vocabulary bucket and, for a key
+    with one (an op given hidden states), ``h`` and its hidden-size bucket."""
+    text = f"{op}|{device}|{dtype_name(dtype)}|{'grad' if requires_grad else 'nograd'}|{bucket}"
+    return f"{text}|h{hidden}" if hidden else text
+
+
+def string_of(key) -> str:
+    """:func:`key_string` of a selection key."""
+    return key_string(key.op, key.device, key.dtype, key.requires_grad, key.vocab, key.hidden)
 
 
 def machine(device: str, device_names: Tuple[str, ...]) -> Dict[str, object]:
@@ -63,12 +71,14 @@ def machine(device: str, device_names: Tuple[str, ...]) -> Dict[str, object]:
 @dataclass
 class Entry:
     """One key's measurements: seconds per backend (the geometric mean over the row counts
-    measured), per row count, and the backends that failed the smoke check, with the reason."""
+    measured), per row count, and the backends that failed the smoke check, with the reason;
+    ``vocab`` and ``hidden`` (0: none) are the sizes measured for the key's buckets."""
 
     times: Dict[str, float]
     rows: Dict[str, Dict[str, float]] = field(default_factory=dict)
     failed: Dict[str, str] = field(default_factory=dict)
     vocab: int = 0
+    hidden: int = 0
 
     def order(self) -> List[str]:
         return sorted(self.times, key=lambda name: (self.times[name], name))
@@ -87,15 +97,14 @@ class Ranking:
     def to_json(self) -> dict:
         return {"format": FORMAT, "created": self.created, "torch": self.torch, "machines": self.machines,
                 "versions": self.versions,
-                "entries": {k: {"times": e.times, "rows": e.rows, "failed": e.failed, "vocab": e.vocab}
-                            for k, e in sorted(self.entries.items())}}
+                "entries": {k: _entry_json(e) for k, e in sorted(self.entries.items())}}
 
     @classmethod
     def from_json(cls, doc: Mapping) -> "Ranking":
         if doc.get("format") != FORMAT:
             raise ValueError(f"format {doc.get('format')!r}, expected {FORMAT}")
         entries = {k: Entry(dict(v["times"]), dict(v.get("rows", {})), dict(v.get("failed", {})),
-                            int(v.get("vocab", 0)))
+                            int(v.get("vocab", 0)), int(v.get("hidden", 0)))
                    for k, v in doc["entries"].items()}
         return cls(str(doc["torch"]), dict(doc["machines"]), dict(doc["versions"]), entries,
                    str(doc.get("created", "")))
@@ -127,20 +136,29 @@ class Ranking:
             keep = [n for n in set(e.times) | set(e.failed) if n not in changed]
             entries[k] = Entry({n: t for n, t in e.times.items() if n in keep},
                                {n: r for n, r in e.rows.items() if n in keep},
-                               {n: f for n, f in e.failed.items() if n in keep}, e.vocab)
+                               {n: f for n, f in e.failed.items() if n in keep}, e.vocab, e.hidden)
         for k, new in other.entries.items():
             old = entries.get(k)
-            if old is None or old.vocab != new.vocab or any(set(r) != _row_counts(new) for r in old.rows.values()):
+            if old is None or (old.vocab, old.hidden) != (new.vocab, new.hidden) \
+                    or any(set(r) != _row_counts(new) for r in old.rows.values()):
                 entries[k] = new
                 continue
             ours = set(new.times) | set(new.failed)
             entries[k] = Entry({**{n: t for n, t in old.times.items() if n not in ours}, **new.times},
                                {**{n: r for n, r in old.rows.items() if n not in ours}, **new.rows},
-                               {**{n: f for n, f in old.failed.items() if n not in ours}, **new.failed}, new.vocab)
+                               {**{n: f for n, f in old.failed.items() if n not in ours}, **new.failed}, new.vocab,
+                               new.hidden)
         machines = {d: m for d, m in self.machines.items() if d not in moved}
         versions = {n: v for n, v in self.versions.items() if n not in changed}
         return Ranking(other.torch, {**machines, **other.machines}, {**versions, **other.versions}, entries,
                        other.created)
+
+
+def _entry_json(e: Entry) -> dict:
+    doc = {"times": e.times, "rows": e.rows, "failed": e.failed, "vocab": e.vocab}
+    if e.hidden:
+        doc["hidden"] = e.hidden
+    return doc
 
 
 def _device_of(key: str) -> str:
@@ -256,4 +274,4 @@ class Tuning:
                               "uses priorities until `logprob-registry tune` measures again.", TuningWarning,
                               stacklevel=2)
             return None
-        return ranking.entries.get(key_string(key.op, key.device, key.dtype, key.requires_grad, key.vocab))
+        return ranking.entries.get(string_of(key))
