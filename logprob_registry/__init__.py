@@ -17,7 +17,7 @@ from .ops import (
     select,
     topk_logprobs,
 )
-from .registry import BackendFallbackWarning, NoEligibleBackendError, get_registry, use_backend
+from .registry import BackendFallbackWarning, NoEligibleBackendError, get_registry, strict, use_backend
 
 __version__ = "0.2.0.dev0"
 
@@ -36,6 +36,7 @@ __all__ = [
     "logprobs_from_logits",
     "next_token_labels",
     "select",
+    "strict",
     "topk_logprobs",
     "use_backend",
 ]

@@ -21,23 +21,32 @@ from . import config
 from . import validation as v
 from .opspec import OPS, OpSpec
 from .opspec import get as get_spec
-from .registry.key import Key, vocab_bucket
+from .registry.key import HIDDEN_KEYED, Key, hidden_bucket, vocab_bucket
 from .sampler import NAMES as SAMPLER_NAMES
-from .sampler import OFF, Sampler
+from .sampler import OFF, PER_ROW, Sampler, check_sampler, check_temperature
 
 _DEVICE_TYPE = re.compile(r"^([a-z][a-z0-9_]*)(:\d+)?$")
 _FUNCTORCH = frozenset({"functorch"})
 _CANDIDATES = frozenset({"candidates"})
+_PER_ROW = frozenset({PER_ROW})
 _OTHER_FEATURED = {name: tuple(o for o in spec.options if o.feature is not None and o.name not in SAMPLER_NAMES)
                    for name, spec in OPS.items()}
 
 
+def _ordered(sampler: Sampler) -> bool:
+    """Whether the call uses top_k, top_p or min_p: the keywords whose order and ties differ between engines."""
+    return sampler.top_k is not None or sampler.top_p is not None or sampler.min_p is not None
+
+
 def key_for(op: str, *, device: Union[str, torch.device, None] = None, dtype: Optional[torch.dtype] = None,
-            requires_grad: bool = False, features: Iterable[str] = (), vocab: Optional[int] = None) -> Key:
+            requires_grad: bool = False, features: Iterable[str] = (), vocab: Optional[int] = None,
+            hidden_size: Optional[int] = None) -> Key:
     """The selection key of a kind of call: ``op`` on tensors of ``device`` (a device, a device type
     such as ``"cuda"`` or ``"cuda:1"``; default: the machine's main device) and ``dtype`` (default
     float32), with or without a backward, using ``features``, over a vocabulary of ``vocab`` columns
-    (None: not known; only its bucket matters)."""
+    (None: not known; only its bucket matters) and, for an op given hidden states
+    (``logprobs_from_hidden``, ``kl_divergence`` with a ``*_weight``), of ``hidden_size`` (None: not
+    known; only its bucket matters, and only for those ops: other ops' keys never hold one)."""
     get_spec(op)
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
@@ -54,7 +63,7 @@ def key_for(op: str, *, device: Union[str, torch.device, None] = None, dtype: Op
     else:
         raise ValueError(f"device must be a device type such as 'cpu', 'cuda' or 'cuda:1', got {device!r}")
     return Key(op, device_type, dtype or torch.float32, bool(requires_grad), frozenset(features),
-               vocab_bucket(vocab))
+               vocab_bucket(vocab), hidden_bucket(hidden_size) if op in HIDDEN_KEYED else 0)
 
 
 def shape_vocab(shape: Any) -> Optional[int]:
@@ -154,22 +163,27 @@ def validate(op: str, given: Mapping[str, Any]) -> Call:
         options["ignore_index"] = v.check_ignore_index(options["ignore_index"])
         if not sharded:  # a shard's labels are checked once the whole vocabulary is known
             v.check_label_range(labels, vocab, options["ignore_index"])
-    options["temperature"] = v.check_temperature(options["temperature"])
+    options["temperature"] = check_temperature(options["temperature"], logits_shape, on.device)
     if "inplace_backward" in options:
         options["inplace_backward"] = v.check_flag(options["inplace_backward"], "inplace_backward")
     elif op == "logprobs_from_hidden":
         options["return_entropy"] = v.check_flag(options["return_entropy"], "return_entropy")
         options["logits_dtype"] = v.check_logits_dtype(options["logits_dtype"])
     elif op == "topk_logprobs":
-        options["k"] = v.check_k(options["k"], vocab)
+        options["k"] = v.check_k(options["k"], vocab if not sharded else 1 << 62)  # a shard: against V later
     if Sampler.in_use(given):  # else every sampler option is already None (OFF)
         sampler = Sampler.validate(given, logits_shape, on.device, vocab=None if sharded else vocab)
         options.update(sampler.keywords())
     else:
         sampler = OFF
+    if "sampler" in options:  # the engine's order matters only where top_k, top_p or min_p truncate
+        order = check_sampler(options["sampler"])
+        options["sampler"] = order if _ordered(sampler) else None
     if sharded:
         vocab_start = v.check_vocab_start(vocab_start)
     features = sampler.features()
+    if isinstance(options["temperature"], torch.Tensor):
+        features = features | _PER_ROW
     for option in _OTHER_FEATURED[op]:  # options besides the sampler's that need a feature (logits_dtype)
         if option.used(options[option.name]):
             features = features | {option.feature}
@@ -179,7 +193,8 @@ def validate(op: str, given: Mapping[str, Any]) -> Call:
         features = features | _FUNCTORCH
     grad_on = torch.is_grad_enabled()
     needs = tuple(bool(grad_on and t is not None and t.requires_grad) for t in grad_tensors)
-    key = Key(op, on.device.type, on.dtype, any(needs), features, vocab_bucket(vocab))
+    key = Key(op, on.device.type, on.dtype, any(needs), features, vocab_bucket(vocab),
+              hidden_bucket(on.shape[-1]) if against == "hidden" else 0)
     return Call(op, tuple(tensors), options, sampler, features, needs, key, vocab, given.get("backend"), group,
                 vocab_start)
 
@@ -206,7 +221,12 @@ def _validate_kl(spec: OpSpec, given: Mapping[str, Any], options: dict, group: A
     if direction not in ("forward", "reverse"):
         raise ValueError(f'direction must be "forward" (KL(teacher || student)) or "reverse" (KL(student || '
                          f'teacher)), got {direction!r}')
-    options["temperature"] = v.check_temperature(options["temperature"])
+    temperature = options["temperature"]
+    if isinstance(temperature, torch.Tensor) and temperature.numel() != 1:
+        raise TypeError(f"kl_divergence's temperature must be one positive number, got a tensor of shape "
+                        f"{tuple(temperature.shape)}: per-row temperatures are taken by the logprob ops, not by "
+                        "kl_divergence (divide each side's logits by its temperatures before the call)")
+    options["temperature"] = v.check_temperature(temperature)
     lead = tuple(student.shape[:-1])
     options["mask"] = v.check_mask(options["mask"], lead, student.device)
     options["support"] = v.check_support(options["support"], lead, None if sharded else vocab, student.device)
@@ -218,7 +238,10 @@ def _validate_kl(spec: OpSpec, given: Mapping[str, Any], options: dict, group: A
         features = features | _FUNCTORCH
     grad_on = torch.is_grad_enabled()
     needs = tuple(bool(grad_on and t is not None and t.requires_grad) for t in (student, student_weight))
-    key = Key("kl_divergence", student.device.type, student.dtype, any(needs), features, vocab_bucket(vocab))
+    hidden = max((s.shape[-1] for s, w in ((student, student_weight), (teacher, teacher_weight)) if w is not None),
+                 default=0)  # the larger hidden side's bucket: it bounds the work per row
+    key = Key("kl_divergence", student.device.type, student.dtype, any(needs), features, vocab_bucket(vocab),
+              hidden_bucket(hidden))
     return Call("kl_divergence", (student, teacher), options, OFF, features, needs, key, vocab, given.get("backend"),
                 group, vocab_start)
 

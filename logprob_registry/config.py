@@ -11,6 +11,7 @@ value.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -48,6 +49,19 @@ def positive_bytes(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{what} must be a positive number of bytes, got {value!r}")
     return value
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse_flag(text: str) -> bool:
+    """A switch: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (any case).
+    Raises ValueError otherwise, so a typo never silently leaves a switch off."""
+    word = str(text).strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise ValueError(f"not a switch; give one of {', '.join(_TRUE)} (on) or {', '.join(_FALSE)} (off)")
 
 
 @dataclass(frozen=True)
@@ -93,6 +107,14 @@ def raw(name: str) -> Any:
     if _environ is not None:
         return _environ.get(_keys.get(name) or _key(name))
     return os.environ.get(name)
+
+
+def reader(name: str) -> Callable[[], Any]:
+    """A function returning the raw value of environment variable ``name`` (None when unset): what
+    :func:`raw` returns, for a check made on every call (one C-level lookup, no Python frame)."""
+    if _environ is not None:
+        return functools.partial(_environ.get, _key(name))
+    return functools.partial(os.environ.get, name)
 
 
 def declared() -> List[Variable]:
@@ -157,3 +179,7 @@ def describe() -> List[Tuple[str, str, str]]:
 BACKEND = declare(Variable(
     "LOGPROB_REGISTRY_BACKEND", str, "",
     "force this backend process-wide (explicit choice: never a silent fallback)"))
+STRICT = declare(Variable(
+    "LOGPROB_REGISTRY_STRICT", parse_flag, False,
+    "1: strict mode process-wide (as lr.strict()): no run-time fallback, and the automatic choice only "
+    "among backends that promise batch invariance and determinism (group invariance with process_group)"))

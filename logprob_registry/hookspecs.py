@@ -35,6 +35,8 @@ def register_backends(register: Callable[..., None]) -> None:
         shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature, inplace_backward) -> grad_logits
         hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy) -> (tile_max, tile_sumexp, tile_elog, label_logits)
         hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start, tile, temperature, needs_grad) -> (grad_hidden, grad_weight, grad_bias)
+        shard_topk(logits, *, vocab_start, temperature, k, decision) -> (values, ids)
+        hidden_shard_topk(hidden, weight, *, bias, vocab_start, temperature, k, decision) -> (values, ids)
         kl_shard_stats(student, teacher, *, student_weight, teacher_weight, vocab_start, tile, temperature, direction) -> (student_max, student_sumexp, teacher_max, teacher_sumexp, cross)
         kl_shard_grad(student, teacher, lse_student, lse_teacher, kl, grad_kl, mask, *, student_weight, teacher_weight, vocab_start, tile, temperature, direction, needs_grad) -> (grad_student, grad_student_weight)
 

@@ -69,14 +69,15 @@ def logprobs_from_logits(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
-    temperature: float = 1.0,
+    temperature: Union[float, torch.Tensor] = 1.0,
     ignore_index: Optional[int] = None,
     inplace_backward: bool = False,
     softcap: Optional[float] = None,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    min_p: Optional[float] = None,
+    top_k: Union[int, torch.Tensor, None] = None,
+    top_p: Union[float, torch.Tensor, None] = None,
+    min_p: Union[float, torch.Tensor, None] = None,
     keep: Optional[torch.Tensor] = None,
+    sampler: str = "vllm",
     process_group: Any = None,
     vocab_start: Optional[int] = None,
     backend: Optional[str] = None,
@@ -89,6 +90,14 @@ def logprobs_from_logits(
     gradient. The logits are processed as a sampler does (vLLM's order): ``softcap``, division by
     ``temperature``, then ``min_p``, ``top_k``, ``top_p`` and ``keep`` truncate the distribution,
     renormalised over the kept tokens; a label outside them gives ``-inf`` and a zero gradient.
+    ``temperature``, ``top_k``, ``top_p`` and ``min_p`` each take a number, or one value per position:
+    a tensor broadcastable to the positions' shape ``(...)`` (e.g. ``(B, 1)`` for one value per
+    sequence of ``(B, T)`` positions); in a row, ``top_k=0`` (or -1), ``top_p=1.0`` and ``min_p=0.0`` switch that
+    truncation off. Each row's result is bitwise that of the call with the row's values as numbers.
+    ``sampler`` names the engine whose order and tie rules ``top_k``, ``top_p`` and ``min_p`` follow:
+    ``"vllm"`` (V1: min_p on the full distribution, then top_k, then top_p), ``"hf"``
+    (transformers' ``generate``: top_k, top_p, then min_p on what is left) or ``"sglang"``
+    (docs/sampler.md).
     With ``inplace_backward=True`` the backward pass may overwrite the logits' storage with their
     gradient (use it only when the logits are not needed afterwards). ``backend`` forces a backend.
 
@@ -103,12 +112,13 @@ def logprobs_from_logits(
 def entropy_from_logits(
     logits: torch.Tensor,
     *,
-    temperature: float = 1.0,
+    temperature: Union[float, torch.Tensor] = 1.0,
     softcap: Optional[float] = None,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    min_p: Optional[float] = None,
+    top_k: Union[int, torch.Tensor, None] = None,
+    top_p: Union[float, torch.Tensor, None] = None,
+    min_p: Union[float, torch.Tensor, None] = None,
     keep: Optional[torch.Tensor] = None,
+    sampler: str = "vllm",
     process_group: Any = None,
     vocab_start: Optional[int] = None,
     backend: Optional[str] = None,
@@ -123,14 +133,15 @@ def logprobs_and_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
-    temperature: float = 1.0,
+    temperature: Union[float, torch.Tensor] = 1.0,
     ignore_index: Optional[int] = None,
     inplace_backward: bool = False,
     softcap: Optional[float] = None,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    min_p: Optional[float] = None,
+    top_k: Union[int, torch.Tensor, None] = None,
+    top_p: Union[float, torch.Tensor, None] = None,
+    min_p: Union[float, torch.Tensor, None] = None,
     keep: Optional[torch.Tensor] = None,
+    sampler: str = "vllm",
     process_group: Any = None,
     vocab_start: Optional[int] = None,
     backend: Optional[str] = None,
@@ -147,15 +158,16 @@ def logprobs_from_hidden(
     labels: torch.Tensor,
     *,
     bias: Optional[torch.Tensor] = None,
-    temperature: float = 1.0,
+    temperature: Union[float, torch.Tensor] = 1.0,
     ignore_index: Optional[int] = None,
     return_entropy: bool = False,
     softcap: Optional[float] = None,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    min_p: Optional[float] = None,
+    top_k: Union[int, torch.Tensor, None] = None,
+    top_p: Union[float, torch.Tensor, None] = None,
+    min_p: Union[float, torch.Tensor, None] = None,
     keep: Optional[torch.Tensor] = None,
     logits_dtype: Optional[torch.dtype] = None,
+    sampler: str = "vllm",
     process_group: Any = None,
     vocab_start: Optional[int] = None,
     backend: Optional[str] = None,
@@ -180,12 +192,13 @@ def topk_logprobs(
     logits: torch.Tensor,
     k: int,
     *,
-    temperature: float = 1.0,
+    temperature: Union[float, torch.Tensor] = 1.0,
     softcap: Optional[float] = None,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    min_p: Optional[float] = None,
+    top_k: Union[int, torch.Tensor, None] = None,
+    top_p: Union[float, torch.Tensor, None] = None,
+    min_p: Union[float, torch.Tensor, None] = None,
     keep: Optional[torch.Tensor] = None,
+    sampler: str = "vllm",
     process_group: Any = None,
     vocab_start: Optional[int] = None,
     backend: Optional[str] = None,
@@ -193,12 +206,9 @@ def topk_logprobs(
     """The ``k`` largest processed log-probabilities of each position and their token ids:
     ``(values float32 (..., k), ids int64 (..., k))``, largest first, ties by smaller id. Where the
     sampler keywords keep fewer than ``k`` tokens, the rest are ``-inf``. For distillation and
-    KL-to-teacher losses; differentiable through ``values``. ``process_group`` is not supported yet
-    (an error says so, on every rank, before any collective)."""
-    if process_group is not None or vocab_start is not None:
-        raise NotImplementedError("topk_logprobs(..., process_group=...) is not supported yet: gather the "
-                                  "logits (or each rank's own topk_logprobs of its shard) to one rank, or call "
-                                  "without process_group")
+    KL-to-teacher losses; differentiable through ``values``. ``process_group``, ``vocab_start``: a
+    vocabulary shard, as in :func:`logprobs_from_logits`; every rank gets the complete values and
+    global ids (``k`` up to the whole vocabulary)."""
     return _run("topk_logprobs", locals())
 
 
@@ -221,7 +231,8 @@ def kl_divergence(
     float32 of the positions' shape ``(...)`` (float64 for float64 input), accumulated in fp32.
 
     ``direction="forward"`` is ``KL(teacher || student)``, ``"reverse"`` ``KL(student || teacher)``;
-    ``temperature`` divides both sides' logits (no ``T**2`` factor). Each side is logits ``(..., V)``,
+    ``temperature`` (a number: per-row temperatures are the logprob ops') divides both sides' logits
+    (no ``T**2`` factor). Each side is logits ``(..., V)``,
     or hidden states ``(..., H)`` with its lm_head ``*_weight`` ``(V, H)`` (its logits are then never
     materialised). ``mask`` (bool, ``(...)``): False positions give 0 and a zero gradient.
     ``support`` (int ids ``(..., K)``, distinct per position): both distributions restricted to those
@@ -233,8 +244,9 @@ def kl_divergence(
     return _run("kl_divergence", locals())
 
 
-def _key(op: str, device, dtype, requires_grad: bool, shape=None):
-    return key_for(op, device=device, dtype=dtype, requires_grad=requires_grad, vocab=shape_vocab(shape))
+def _key(op: str, device, dtype, requires_grad: bool, shape=None, hidden_size=None):
+    return key_for(op, device=device, dtype=dtype, requires_grad=requires_grad, vocab=shape_vocab(shape),
+                   hidden_size=hidden_size)
 
 
 def select(
@@ -244,12 +256,14 @@ def select(
     dtype: Optional[torch.dtype] = None,
     requires_grad: bool = False,
     shape=None,
+    hidden_size: Optional[int] = None,
 ) -> Backend:
     """The backend a call would use for ``op`` on tensors of this device (default: the machine's
     main device) and dtype (default float32), honouring any explicit choice in force. ``shape``
     (the logits' shape, or a tensor) gives the vocabulary size, whose bucket may matter; the
-    number of rows never does."""
-    return get_registry().select(_key(op, device, dtype, requires_grad, shape))
+    number of rows never does. ``hidden_size``: for an op given hidden states
+    (``logprobs_from_hidden``), their size H, whose bucket may matter too."""
+    return get_registry().select(_key(op, device, dtype, requires_grad, shape, hidden_size))
 
 
 def explain(
@@ -259,11 +273,14 @@ def explain(
     dtype: Optional[torch.dtype] = None,
     requires_grad: bool = False,
     shape=None,
+    hidden_size: Optional[int] = None,
 ) -> Explanation:
     """Every backend's verdict for ``op`` on such tensors, with reasons; ``str()`` is a table.
     ``shape`` (the logits' shape) adds the vocabulary's bucket: backends not worth choosing for it
-    and a tuning ranking's measured times then show."""
-    return get_registry().explain(_key(op, device, dtype, requires_grad, shape))
+    and a tuning ranking's measured times then show. ``hidden_size``: for an op given hidden
+    states (``logprobs_from_hidden``: ``shape`` is then that of the logits it forms, ``(..., V)``),
+    their size H; its bucket completes the key (without it, no size rule or measurement applies)."""
+    return get_registry().explain(_key(op, device, dtype, requires_grad, shape, hidden_size))
 
 
 def backends() -> list:

@@ -310,7 +310,13 @@ _INPLACE = Option("inplace_backward", False,
                   "bool: backward may write the logits' gradient over the logits' storage")
 # The sampler's keywords (logprob_registry.sampler.FIELDS, in the sampler's order), each an option
 # that only backends declaring the feature of the same name receive.
-_SAMPLER = tuple(Option(f.name, None, f.doc, feature=f.name) for f in sampler_fields.FIELDS)
+_SAMPLER = tuple(Option(f.name, None, f.doc, feature=f.name) for f in sampler_fields.FIELDS) + (
+    Option("sampler", None, 'None (vLLM V1\'s order, the public "vllm"), "hf" (transformers\' generate warpers) or '
+           '"sglang": whose processing order and tie/threshold rules top_k, top_p and min_p follow (docs/sampler.md)',
+           feature="sampler"),)
+#: The public ops' temperature: a number, or per row (a tensor needs the feature "per_row").
+_TEMPERATURE_ROWS = Option("temperature", 1.0, "float > 0, or per row a float32 tensor expanded to the positions' "
+                           "shape (...) (feature per_row): the (softcapped) logits are divided by it")
 _LABELS = ("labels (...) int32/int64 give (...); labels (..., K) give the K candidates' logprobs "
            "(..., K) in one pass (feature 'candidates')")
 # The vocabulary-parallel ops' options (see logprob_registry.distributed).
@@ -328,6 +334,24 @@ _STATS_DOC = ("per row and tile of z = logits / temperature (in float32, float64
 _KL_SIDES = (Option("student_weight", None, "(V_local, H_s) or None: the student is hidden states (..., H_s)"),
              Option("teacher_weight", None, "(V_local, H_t) or None: the teacher is hidden states (..., H_t)"))
 _KL_DIRECTION = Option("direction", "forward", '"forward": KL(teacher || student); "reverse": KL(student || teacher)')
+# The sampler's processing on a shard (feature "shard_sampler"; see logprob_registry.distributed.processing).
+_SHARD_SAMPLER = (
+    Option("softcap", None, "float or None: z = softcap * tanh(logits / softcap) / temperature",
+           feature="shard_sampler"),
+    Option("keep", None, "bool (..., V_local) or None: this shard's columns of the sampler's keep mask",
+           feature="shard_sampler"),
+    Option("boundary", None, "(t float32 (...), j int64 (...)) or None: keep a token iff (y, id) >= (t, j), y the "
+           "float32 processed logits (the boundary the core merged from every shard's top-k); with min_p, "
+           "(t, j, big, total, threshold) (float32 (...) each): also drop exp(y - big) / total < threshold; "
+           "sampler=\"sglang\": (t, j, big, total, threshold, lower) with lower bool (...): where set, a tie at t "
+           "keeps the ids <= j instead",
+           feature="shard_sampler"),
+)
+_SHARD_LOGITS_DTYPE = Option("logits_dtype", None, "torch.bfloat16, torch.float16 or None: each logit rounded to it "
+                             "before the softcap (straight-through gradient)", feature="shard_sampler")
+_SHARD_SAMPLER_DOC = ("; with feature shard_sampler: labels may be candidates (..., K) (label_logits (..., K), -inf "
+                      "where the shard holds a label outside the kept set), z = the processed logits over the kept "
+                      "tokens (softcap, keep, boundary; -inf elsewhere)")
 _GRADS_DOC = ("lse, entropy: the merged log-sum-exp and entropy of z per row (...); grad_logprobs, "
               "grad_entropy: upstream gradients (...) or None, grad_logprobs already 0 at ignored positions")
 
@@ -335,7 +359,7 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec(
         name="logprobs", function="logprobs_from_logits",
         inputs=("logits", "labels"),
-        options=(_TEMPERATURE, _IGNORE_INDEX, _INPLACE) + _SAMPLER,
+        options=(_TEMPERATURE_ROWS, _IGNORE_INDEX, _INPLACE) + _SAMPLER,
         outputs=("logprobs",),
         doc="log_softmax(processed logits)[..., labels]: logits (..., V); " + _LABELS
             + "; float32 (float64 for float64 logits)",
@@ -345,7 +369,7 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec(
         name="entropy", function="entropy_from_logits",
         inputs=("logits",),
-        options=(_TEMPERATURE,) + _SAMPLER,
+        options=(_TEMPERATURE_ROWS,) + _SAMPLER,
         outputs=("entropy",),
         doc="entropy of softmax(processed logits) over the last dim: logits (..., V); "
             "float32 (float64 for float64 logits) of shape (...)",
@@ -355,7 +379,7 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec(
         name="logprobs_and_entropy", function="logprobs_and_entropy",
         inputs=("logits", "labels"),
-        options=(_TEMPERATURE, _IGNORE_INDEX, _INPLACE) + _SAMPLER,
+        options=(_TEMPERATURE_ROWS, _IGNORE_INDEX, _INPLACE) + _SAMPLER,
         outputs=("logprobs", "entropy"),
         doc="both of the above in one pass; the entropy of an ignored position is computed as usual",
         dtype_input="logits", grad_inputs=("logits",),
@@ -365,7 +389,7 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
         name="logprobs_from_hidden", function="logprobs_from_hidden",
         inputs=("hidden", "weight", "labels"),
         options=(Option("bias", None, "tensor (V,) or None, added to hidden @ weight.T"),
-                 _TEMPERATURE, _IGNORE_INDEX,
+                 _TEMPERATURE_ROWS, _IGNORE_INDEX,
                  Option("return_entropy", False, "bool: also return the entropy")) + _SAMPLER + (
                  Option("logits_dtype", None, "torch.bfloat16, torch.float16 or None: round each logit "
                         "to it before the softmax, as an engine whose lm_head runs in it (straight-"
@@ -380,7 +404,7 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec(
         name="topk_logprobs", function="topk_logprobs",
         inputs=("logits",),
-        options=(Option("k", 1, "int >= 1, at most V: how many"), _TEMPERATURE) + _SAMPLER,
+        options=(Option("k", 1, "int >= 1, at most V: how many"), _TEMPERATURE_ROWS) + _SAMPLER,
         outputs=("values", "ids"),
         doc="the k largest processed logprobs (float32, (..., k)) and their ids (int64), largest first, "
             "ties by smaller id; -inf (and the smallest ids left) where fewer than k tokens are kept",
@@ -413,16 +437,16 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec(
         name="shard_stats", function=None,
         inputs=("logits", "labels"),
-        options=(_VOCAB_START, _TILE, _TEMPERATURE, _IGNORE_INDEX, _ENTROPY),
+        options=(_VOCAB_START, _TILE, _TEMPERATURE, _IGNORE_INDEX, _ENTROPY) + _SHARD_SAMPLER,
         outputs=_STATS,
         doc="vocabulary-parallel forward on one shard: logits (..., V_local), labels (...) global ids or None; "
-            + _STATS_DOC,
+            + _STATS_DOC + _SHARD_SAMPLER_DOC,
         dtype_input="logits", grad_inputs=(),
     ),
     OpSpec(
         name="shard_grad", function=None,
         inputs=("logits", "labels", "lse", "entropy", "grad_logprobs", "grad_entropy"),
-        options=(_VOCAB_START, _TEMPERATURE, _INPLACE),
+        options=(_VOCAB_START, _TEMPERATURE, _INPLACE) + _SHARD_SAMPLER,
         outputs=("grad_logits",),
         doc="vocabulary-parallel backward on one shard: the gradient of the shard (its shape and dtype), "
             "out of place or, with inplace_backward, over its storage; " + _GRADS_DOC,
@@ -432,7 +456,7 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
         name="hidden_shard_stats", function=None,
         inputs=("hidden", "weight", "labels"),
         options=(Option("bias", None, "tensor (V_local,) or None"), _VOCAB_START, _TILE, _TEMPERATURE,
-                 _IGNORE_INDEX, _ENTROPY),
+                 _IGNORE_INDEX, _ENTROPY) + _SHARD_SAMPLER + (_SHARD_LOGITS_DTYPE,),
         outputs=_STATS,
         doc="shard_stats of the logits hidden @ weight.T + bias of a weight shard (V_local, H), without "
             "forming them; hidden (..., H)",
@@ -442,11 +466,34 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
         name="hidden_shard_grad", function=None,
         inputs=("hidden", "weight", "labels", "lse", "entropy", "grad_logprobs", "grad_entropy"),
         options=(Option("bias", None, "tensor (V_local,) or None"), _VOCAB_START, _TILE, _TEMPERATURE,
-                 Option("needs_grad", (True, True, False), "(hidden, weight, bias): which gradients to form")),
+                 Option("needs_grad", (True, True, False), "(hidden, weight, bias): which gradients to form"))
+                + _SHARD_SAMPLER + (_SHARD_LOGITS_DTYPE,),
         outputs=("grad_hidden", "grad_weight", "grad_bias"),
         doc="backward of hidden_shard_stats: this shard's share of the hidden gradient (float32, float64 for "
             "float64; the core sums it over the group), the weight shard's and bias shard's gradients (their "
             "dtypes), None where not needed; " + _GRADS_DOC,
+        dtype_input="hidden", grad_inputs=(),
+    ),
+    OpSpec(
+        name="shard_topk", function=None,
+        inputs=("logits",),
+        options=(_VOCAB_START, _TEMPERATURE, Option("k", 1, "int >= 1: how many (a shard narrower than k pads "
+                                                    "with -inf at id 2**63 - 1)"),
+                 Option("decision", False, "bool: rank the float32 processed logits y without any mask (the "
+                        "truncation decision); False: z over the kept tokens (-inf elsewhere)")) + _SHARD_SAMPLER,
+        outputs=("values", "ids"),
+        doc="one shard's k largest (values (..., k), global ids int64 (..., k)), largest first, ties by smaller "
+            "id: the core merges every shard's list in vocabulary order (feature shard_sampler)",
+        dtype_input="logits", grad_inputs=(),
+    ),
+    OpSpec(
+        name="hidden_shard_topk", function=None,
+        inputs=("hidden", "weight"),
+        options=(Option("bias", None, "tensor (V_local,) or None"), _VOCAB_START, _TEMPERATURE,
+                 Option("k", 1, "int >= 1: how many"), Option("decision", False, "bool: as shard_topk's"))
+                + _SHARD_SAMPLER + (_SHARD_LOGITS_DTYPE,),
+        outputs=("values", "ids"),
+        doc="shard_topk of the logits hidden @ weight.T + bias of a weight shard (V_local, H)",
         dtype_input="hidden", grad_inputs=(),
     ),
     # kl_divergence with process_group= (see logprob_registry.distributed.kl)
@@ -489,9 +536,14 @@ FEATURES: Mapping[str, str] = {
                  "differentiable torch ops, or autograd Functions with setup_context and vmap rules",
     "candidates": "labels of shape (..., K): the logprobs of K candidate tokens per position in one pass",
     **{o.feature: f"the {o.name} option: {o.doc}" for o in _SAMPLER},
+    "per_row": "temperature, top_k, top_p and min_p given per row: tensors expanded to the positions' shape (...) "
+               "(temperature, top_p, min_p float32; top_k int64; 0, 1.0 and 0.0 mean off for that row); each row's "
+               "result bitwise that of the call with the row's values as numbers",
     "logits_dtype": "logprobs_from_hidden's logits_dtype option: logits rounded to bf16/fp16 before the softmax",
     "kl_hidden": "kl_divergence with student_weight / teacher_weight: either side as hidden states whose logits "
                  "are never formed",
+    "shard_sampler": "the vocabulary-parallel shard ops with the sampler's processing (softcap, keep, boundary, "
+                     "logits_dtype, candidate labels) and shard_topk / hidden_shard_topk",
     "kl_support": "kl_divergence's support option: both distributions restricted to K ids per position (plus the "
                   "tail bucket with tail=True)",
 }

@@ -7,7 +7,7 @@ samples from a processed distribution (the model's softcap, temperature, then to
 renormalised over the kept tokens: vLLM's ``processed_logprobs``); a trainer that normalises over
 the full vocabulary biases every ratio by the kept mass.
 
-This module takes a Hugging Face causal LM, samples with ``generate`` (temperature, top_k, top_p;
+This module takes a Hugging Face causal LM, samples with ``generate`` (temperature, top_k, top_p, min_p;
 the model applies its own softcap), takes the processed log-probabilities of the sampled tokens
 from the scores ``generate`` returns, then recomputes them from a teacher-forced forward pass
 through :func:`logprob_registry.logprobs_from_hidden` (the model's last hidden states and lm_head
@@ -18,10 +18,11 @@ log: mean and max ``|Δ|`` (``Δ = trainer - generation``), ``mean(exp|Δ|)`` (N
 whose ratio ``exp(Δ)`` leaves [0.9, 1.1]; and, without the replay, the mean ratio next to the mean
 kept mass, which predicts it.
 
-Hugging Face's warpers follow vLLM's rules for the keywords used here (top_k keeps every logit
-equal to the k-th largest; top_p runs on the top_k survivors, masks a sorted ascending cumulative
-sum ``<= 1 - top_p`` and keeps at least one token). ``min_p`` is not offered: Hugging Face applies
-it after top_k and top_p, vLLM (and the registry) before them. See docs/parity.md.
+The replay uses ``sampler="hf"``: transformers' order and thresholds (top_k, then top_p against
+the float64 ``1 - top_p``, then ``min_p`` on what is left; vLLM applies ``min_p`` first, to the
+full distribution). Each report also shows, on a constructed case with ``min_p``
+(:func:`order_check`), at how many positions vLLM's order would keep other tokens than
+``generate``'s warpers, which ``"hf"`` matches exactly. See docs/parity.md.
 
 ``transformers`` is imported only here, inside the functions (``pip install -e ".[parity]"``).
 """
@@ -54,11 +55,12 @@ class ParityError(Exception):
 
 @dataclass(frozen=True)
 class Settings:
-    """How to sample. ``top_k=None`` and ``top_p=None`` turn that truncation off."""
+    """How to sample. ``top_k=None``, ``top_p=None`` and ``min_p=None`` turn that truncation off."""
 
     temperature: float = 0.7
     top_k: Optional[int] = 50
     top_p: Optional[float] = 0.8
+    min_p: Optional[float] = None
     new_tokens: int = 16
     prompts: int = 4
     prompt_length: int = 8
@@ -72,6 +74,8 @@ class Settings:
             raise ParityError(f"top_k must be >= 1, or None to turn it off, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ParityError(f"top_p must be in (0, 1], or None to turn it off, got {self.top_p}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ParityError(f"min_p must be in [0, 1], or None to turn it off, got {self.min_p}")
         for name in ("new_tokens", "prompts", "prompt_length"):
             if getattr(self, name) < 1:
                 raise ParityError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -129,6 +133,7 @@ class ModelReport:
     bound_replay: float  # largest |Δ| rounding explains, with replay (see rounding_bound)
     bound_full: float  # largest |Δ - log(kept mass)| rounding explains, without
     versions: Dict[str, str]
+    order: Optional[Dict[str, Any]] = None  # order_check(): vLLM's order against generate's, with min_p
     data: Optional[TokenData] = field(default=None, repr=False)
 
     @property
@@ -250,7 +255,8 @@ def _generate(model: Any, prompt: torch.Tensor, settings: Settings, eos: Any) ->
     tf = _transformers()
     config = tf.GenerationConfig(
         do_sample=True, temperature=settings.temperature, top_k=settings.top_k or 0,
-        top_p=settings.top_p if settings.top_p is not None else 1.0, max_new_tokens=settings.new_tokens,
+        top_p=settings.top_p if settings.top_p is not None else 1.0, min_p=settings.min_p,
+        max_new_tokens=settings.new_tokens,
         eos_token_id=eos, pad_token_id=eos if isinstance(eos, int) else 0,
         output_scores=True, output_logits=True, return_dict_in_generate=True)
     saved = model.generation_config
@@ -271,9 +277,9 @@ def _check_scores(logits: torch.Tensor, scores: torch.Tensor, temperature: float
     """The kept mask; a ParityError if generate processed the logits beyond temperature and masking."""
     kept = torch.isfinite(scores)
     if not torch.equal(scores[kept], (logits / temperature)[kept]):
-        raise ParityError(f"{model}: generate() changed the logits beyond temperature, top_k and top_p "
+        raise ParityError(f"{model}: generate() changed the logits beyond temperature, top_k, top_p and min_p "
                           "(another logits processor ran, such as a repetition penalty); the parity "
-                          "check only replays temperature, top_k and top_p")
+                          "check only replays temperature, top_k, top_p and min_p")
     return kept
 
 
@@ -318,7 +324,9 @@ def check_model(model: Any, name: str = "model", settings: Settings = Settings()
         raise ParityError("give at least one prompt, each of at least one token id")
     eos = getattr(model.generation_config, "eos_token_id", None)
     T = settings.temperature
-    sampler = dict(top_k=settings.top_k, top_p=settings.top_p if settings.top_p not in (None, 1.0) else None)
+    # generate()'s warpers, replayed in their own order (sampler="hf", docs/sampler.md)
+    sampler = dict(top_k=settings.top_k, top_p=settings.top_p if settings.top_p not in (None, 1.0) else None,
+                   min_p=settings.min_p or None, sampler="hf")
     logits_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else None
 
     rows: Dict[str, List[torch.Tensor]] = {k: [] for k in ("gen", "replay", "full", "mass", "count")}
@@ -375,8 +383,46 @@ def check_model(model: Any, name: str = "model", settings: Settings = Settings()
         logit_drift=drift,
         bound_replay=rounding_bound(drift, product, max_logit, T, most_kept, u),
         bound_full=rounding_bound(drift, product, max_logit, T, vocab, u),
-        versions=_versions(), data=data,
+        versions=_versions(), order=order_check(), data=data,
     )
+
+
+#: The constructed case of :func:`order_check`: min_p drops a thin tail, which changes what top_p
+#: sees in vLLM's order (min_p first) but not in transformers' (top_p first).
+ORDER_CASE = dict(temperature=0.8, top_k=20, top_p=0.93, min_p=0.1)
+
+
+def order_logits(rows: int = 64, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    """Logits on which vLLM's and transformers' orders keep different tokens under
+    :data:`ORDER_CASE`: probabilities (after the temperature) of about 0.5, 0.35 and 0.06 over a
+    tail of 0.09 spread over the rest. vLLM drops the tail (min_p), renormalises, and top_p then
+    drops the 0.06 token; transformers' top_p sees the tail's mass first and keeps it."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.tensor([0.5, 0.35, 0.06]) * (1 + 0.05 * torch.rand(rows, 3, generator=g))
+    tail = torch.rand(rows, vocab - 3, generator=g) + 0.5
+    probs = torch.cat([head, 0.09 * tail / tail.sum(-1, keepdim=True)], -1)
+    x = ORDER_CASE["temperature"] * probs.log()
+    return x[:, torch.randperm(vocab, generator=g)]
+
+
+def order_check() -> Dict[str, Any]:
+    """Why the replay uses ``sampler="hf"``: on :func:`order_logits` with :data:`ORDER_CASE`, the
+    kept sets of ``generate``'s own warpers, of the registry's ``"hf"`` order and of its ``"vllm"``
+    order; how many positions each disagrees with ``generate`` at."""
+    from transformers.generation import logits_process as lp
+
+    from . import reference as ref
+
+    x = order_logits()
+    c = ORDER_CASE
+    scores = x.float()
+    for warper in (lp.TemperatureLogitsWarper(c["temperature"]), lp.TopKLogitsWarper(c["top_k"]),
+                   lp.TopPLogitsWarper(c["top_p"]), lp.MinPLogitsWarper(c["min_p"])):
+        scores = warper(None, scores)
+    generate = torch.isfinite(scores)
+    differ = {order: int((ref.kept_tokens(x, sampler=order, **c) != generate).any(-1).sum())
+              for order in ("hf", "vllm")}
+    return dict(case=dict(c), positions=int(x.shape[0]), hf_differs=differ["hf"], vllm_differs=differ["vllm"])
 
 
 def _registry(inputs: tuple, temperature: float, backend: Optional[str], sampler: Dict[str, Any]) -> torch.Tensor:
@@ -450,7 +496,7 @@ def format_report(report: ModelReport) -> str:
     prompts = s.prompts if report.data is None else len(report.data.sequences)
     head = (f"{report.model} ({report.dtype}, V={report.vocab_size}, {cap}): {prompts} prompts, "
             f"{report.replay.tokens + report.replay.outside_kept} sampled tokens; temperature {s.temperature:g}, "
-            f"top_k {s.top_k}, top_p {s.top_p}; backend {report.backend} ({report.source})")
+            f"top_k {s.top_k}, top_p {s.top_p}, min_p {s.min_p}; backend {report.backend} ({report.source})")
     rows = [("", *_COLUMNS)]
     for label, m in (("with replay", report.replay), ("without replay", report.full)):
         rows.append((label, _g(m.mean_abs), _g(m.max_abs), f"{m.mult_prob_error:.7f}", _g(m.k3_kl),
@@ -466,6 +512,12 @@ def format_report(report: ModelReport) -> str:
              f"{report.predicted_mean_ratio:.7f} (largest per-token |log ratio - log kept mass| "
              f"{report.max_mass_error:.3g}, bound {report.bound_full:.3g}); {report.mean_kept_tokens:.1f} tokens "
              "kept per position on average"]
+    if report.order is not None:
+        o, c = report.order, report.order["case"]
+        case = ", ".join(f"{k} {v:g}" for k, v in c.items())
+        lines.append(f'  order: replayed as sampler="hf" (generate: top_k, top_p, then min_p); on a constructed case '
+                     f"({case}; {o['positions']} positions) generate's warpers keep other tokens than "
+                     f"\"hf\" at {o['hf_differs']} positions and than \"vllm\" (min_p first) at {o['vllm_differs']}")
     if report.replay.outside_kept:
         lines.append(f"  {report.replay.outside_kept} sampled tokens fall outside the replayed kept set "
                      "(ratio 0), left out of the numbers above")

@@ -36,9 +36,21 @@ from .sampler import Sampler
 NEG_INF = float("-inf")
 
 
-def _prepare(logits: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    x = logits.to(dtype)
-    return x / temperature if temperature != 1.0 else x
+def _prepare(logits: torch.Tensor, temperature, dtype: torch.dtype) -> torch.Tensor:
+    return divided(logits.to(dtype), temperature)
+
+
+def divided(s: torch.Tensor, temperature) -> torch.Tensor:
+    """``s / temperature``: a number (1.0: ``s`` itself), or per row (a tensor broadcastable to the
+    positions ``s.shape[:-1]``). Always a true division by a tensor in ``s``'s dtype, so that a row
+    of a per-row call and the call with that row's value as a number divide alike (torch multiplies
+    by the reciprocal of a Python-number divisor on CUDA, and for bf16/fp16 on the CPU)."""
+    if isinstance(temperature, torch.Tensor):
+        t = temperature.to(device=s.device, dtype=s.dtype)
+        return s / torch.broadcast_to(t, s.shape[:-1]).unsqueeze(-1)
+    if temperature == 1.0:
+        return s
+    return s / torch.tensor(temperature, dtype=s.dtype, device=s.device)
 
 
 def _gather(logp: torch.Tensor, labels: torch.Tensor, ignore_index: Optional[int]) -> torch.Tensor:
@@ -109,21 +121,19 @@ def engine_round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x + (rounded - x.detach())
 
 
-def processed_logits(logits: torch.Tensor, *, temperature: float = 1.0, softcap: Optional[float] = None,
+def processed_logits(logits: torch.Tensor, *, temperature=1.0, softcap: Optional[float] = None,
                      dtype: torch.dtype = torch.float64, logits_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``softcap(logits) / temperature`` in ``dtype`` (the softcap computed in float64, or with
     ``logits_dtype`` as the engine's three rounded ops, see :func:`softcapped`, rounded to
     ``dtype``; then the division in ``dtype``). In float32 these are, bit for bit, the logits the
     truncation decision sees (vLLM casts to float32 and divides by a float32 temperature)."""
     s = logits.to(dtype) if softcap is None else softcapped(logits, softcap, logits_dtype).to(dtype)
-    if temperature == 1.0:
-        return s
     # A tensor divisor on the logits' device, as vLLM's per-row temperature: a true division on
     # every device (CUDA multiplies by the reciprocal of a Python-number divisor).
-    return s / torch.tensor(temperature, dtype=dtype, device=s.device)
+    return divided(s, temperature)
 
 
-def decision_logits(logits: torch.Tensor, temperature: float = 1.0, softcap: Optional[float] = None,
+def decision_logits(logits: torch.Tensor, temperature=1.0, softcap: Optional[float] = None,
                     logits_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The float32 processed logits that the truncation decision reads (no gradient)."""
     with torch.no_grad():
@@ -135,52 +145,184 @@ def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32, device=like.device)
 
 
-def truncation_boundary(y: torch.Tensor, *, top_k: Optional[int] = None, top_p: Optional[float] = None,
-                        min_p: Optional[float] = None, inplace: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Which tokens vLLM's sampler keeps after ``min_p``, ``top_k`` and ``top_p``, per row of the
-    float32 processed logits ``y`` ``(R, V)``, as a boundary ``(t, j)`` (float32 ``(R,)``, int64
-    ``(R,)``): a token of value ``v`` and id ``i`` is kept iff ``(v, i) >= (t, j)``
-    lexicographically (NaN is always kept, -inf never; see :func:`kept_from_boundary`).
+#: The engines whose order and tie rules :func:`truncation_boundary` replays (``sampler=``).
+ORDERS = ("vllm", "hf", "sglang")
 
-    The procedure is vLLM's, op for op, in float32:
 
-    1. ``min_p``: ``probs = softmax(y)``; drop ``probs < max(probs) * min_p`` (strict: a token at
-       the threshold, and every maximum, is kept);
-    2. ``top_k``: drop values strictly below the k-th largest (every value tied with it is kept);
-    3. ``top_p``, on the survivors: sort ascending (stable), ``softmax`` of the sorted row,
-       cumulative sum, drop positions with ``cumsum <= 1 - top_p``, never the last (the most
-       probable token). Among equal values the stable sort puts the lower id first, so the lower id
-       is dropped first when a tie straddles the boundary.
+def _order(order: Optional[str]) -> str:
+    if order is None:
+        return "vllm"
+    if order not in ORDERS:
+        raise ValueError(f"order (sampler=) must be one of {', '.join(map(repr, ORDERS))}, got {order!r}")
+    return order
 
-    Each step drops a prefix of the ascending ``(value, id)`` order, so the kept tokens are always
-    a suffix of it, summed up by its first element ``(t, j)``. A row where nothing finite is kept
-    gives ``t = +inf`` (only NaN tokens are kept there). ``inplace=True`` lets it overwrite ``y``.
-    """
-    if not inplace:
-        y = y.clone()
-    rows, vocab = y.shape
-    if min_p is not None:
-        probs = torch.softmax(y, -1)
-        threshold = probs.amax(-1, keepdim=True) * _f32(min_p, y)
-        y.masked_fill_(probs < threshold, NEG_INF)
-        del probs, threshold
-    if top_k is not None and top_k < vocab:
-        kth = torch.topk(y, top_k, -1).values[:, -1:]
-        y.masked_fill_(y < kth, NEG_INF)
-        del kth
-    boundary = None
-    if top_p is not None and top_p < 1.0:
-        boundary = _top_p_boundary(y, top_p)
-    nan = torch.isnan(y)
-    kept = (y != NEG_INF) & ~nan
+
+def _column(value, y: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A parameter as the rows of ``y`` (R, V) see it: a number as a 0-d tensor of ``dtype``, a
+    per-row tensor (R,) as a column (R, 1). Elementwise ops with either give each row the same bits."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=y.device, dtype=dtype).reshape(-1, 1)
+    return torch.tensor(value, dtype=dtype, device=y.device)
+
+
+def _row_on(value, off, y: torch.Tensor) -> Optional[torch.Tensor]:
+    """For a per-row parameter, the bool column (R, 1) of the rows where it is on (not ``off``,
+    its "off" value); None for a number (on in every row)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    return (value.to(y.device).reshape(-1, 1) != off)
+
+
+def _k_column(top_k, vocab: int, y: torch.Tensor) -> torch.Tensor:
+    """Per-row top_k (R,) as int64 (R, 1), with 0, -1 and >= V (off) as V (keeps every position)."""
+    k = top_k.to(device=y.device, dtype=torch.int64).reshape(-1, 1)
+    return torch.where((k <= 0) | (k >= vocab), vocab, k)
+
+
+def _min_p_(y: torch.Tensor, min_p) -> None:
+    """Drop (to -inf, in place) the tokens of ``y`` less probable than ``min_p`` times the most
+    probable one, on the float32 softmax of ``y`` (strict: a token at the threshold is kept; a row
+    with min_p 0 keeps all)."""
+    probs = torch.softmax(y, -1)
+    threshold = probs.amax(-1, keepdim=True) * _column(min_p, y)
+    y.masked_fill_(probs < threshold, NEG_INF)
+
+
+def _top_k_(y: torch.Tensor, top_k) -> None:
+    """Drop (in place) the values strictly below the k-th largest (every copy of it is kept): vLLM's
+    and transformers' rule. Per row (R,): the k-th largest read from the sorted row (the same value
+    ``torch.topk`` gives), off rows untouched."""
+    vocab = y.shape[-1]
+    if not isinstance(top_k, torch.Tensor):
+        if top_k < vocab:
+            kth = torch.topk(y, top_k, -1).values[:, -1:]
+            y.masked_fill_(y < kth, NEG_INF)
+        return
+    k = _k_column(top_k, vocab, y)
+    kth = sorted_values(y).gather(1, (vocab - k).clamp(max=vocab - 1))
+    kth = torch.where(k < vocab, kth, torch.full((), NEG_INF, device=y.device))
+    y.masked_fill_(y < kth, NEG_INF)
+
+
+def _top_p_cut(top_p, y: torch.Tensor, order: str) -> torch.Tensor:
+    """The float32 cumulative mass at or under which top_p drops a sorted position: vLLM computes
+    ``1 - p`` in float32 (``p`` a float32 tensor); transformers compares with the Python float
+    ``1 - top_p`` (float64), which torch rounds to float32."""
+    if order == "hf":
+        if isinstance(top_p, torch.Tensor):
+            return (1.0 - top_p.to(device=y.device, dtype=torch.float64).reshape(-1, 1)).to(torch.float32)
+        return _f32(1.0 - top_p, y)
+    return _f32(1.0, y) - _column(top_p, y)
+
+
+def _first_kept(y: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(t, j)`` of rows ``y`` whose dropped tokens are -inf: the smallest kept finite value and
+    the lowest id holding it (``t = +inf``, ``j = V`` where nothing finite is kept)."""
+    vocab = y.shape[-1]
+    kept = (y != NEG_INF) & ~torch.isnan(y)
     t = torch.where(kept, y, torch.full((), math.inf, device=y.device)).amin(-1)
     first = kept & (y == t.unsqueeze(-1))
     j = torch.where(first.any(-1), first.to(torch.uint8).argmax(-1), vocab)  # argmax: the first maximum
-    if boundary is not None:
-        # where top_p's boundary is a real token (not -inf, as in a row of NaN), it is the answer
-        real = torch.isfinite(boundary[0])
-        t, j = torch.where(real, boundary[0], t), torch.where(real, boundary[1], j)
     return t, j
+
+
+def _merge_top_p(t, j, boundary, on: Optional[torch.Tensor]):
+    """Where top_p's boundary is a real token (not -inf, as in a row of NaN) and top_p is on in the
+    row, it is the answer."""
+    real = torch.isfinite(boundary[0])
+    if on is not None:
+        real &= on.reshape(-1)
+    return torch.where(real, boundary[0], t), torch.where(real, boundary[1], j)
+
+
+def truncation_boundary(y: torch.Tensor, *, top_k=None, top_p=None, min_p=None, inplace: bool = False,
+                        order: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Which tokens an engine's sampler keeps after ``min_p``, ``top_k`` and ``top_p``, per row of
+    the float32 processed logits ``y`` ``(R, V)``, as a boundary ``(t, j)`` (float32 ``(R,)``, int64
+    ``(R,)``): a token of value ``v`` and id ``i`` is kept iff ``(v, i) >= (t, j)``
+    lexicographically (``order="sglang"``: iff ``v > t`` or ``v == t`` and ``i <= j``; NaN is
+    always kept, -inf never; see :func:`kept_from_boundary`).
+
+    Each parameter is a number, None (off), or per row a tensor ``(R,)`` (top_k int: 0, -1 or
+    ``>= V`` off for that row; top_p float: 1.0 off; min_p float: 0.0 off); a row's boundary is
+    bitwise that of the call with the row's values as numbers.
+
+    ``order`` (the public ``sampler=``; None is ``"vllm"``) is the engine whose procedure is
+    replayed, op for op, in float32 (docs/sampler.md):
+
+    * ``"vllm"`` (V1): 1. ``min_p`` on the full distribution: ``probs = softmax(y)``; drop
+      ``probs < max(probs) * min_p`` (strict); 2. ``top_k``: drop values strictly below the k-th
+      largest (every value tied with it is kept); 3. ``top_p``, on the survivors: sort ascending
+      (stable), ``softmax`` of the sorted row, cumulative sum, drop positions with ``cumsum <= 1 - p``
+      (``1 - p`` in float32), never the last. Among equal values the stable sort puts the lower id
+      first, so the lower id is dropped first when a tie straddles the boundary.
+    * ``"hf"`` (transformers' ``generate`` warpers): ``top_k`` as vLLM's, then ``top_p`` as vLLM's
+      but against the float64 ``1 - top_p`` rounded to float32, then ``min_p`` on the softmax of
+      what is left.
+    * ``"sglang"``: every filter on the full distribution ``probs = softmax(y)`` sorted descending
+      (stable: ties by lower id first): positions ``>= top_k`` dropped (exactly k tokens: a tie at
+      the k-th value keeps the lower ids), positions whose cumulative sum before them exceeds
+      ``top_p`` (``cumsum - p > top_p``), and ``p < p_max * min_p``; the kept tokens are the
+      positions before the first dropped one.
+
+    Each step drops a prefix of the ascending ``(value, id)`` order (for sglang: of ``(value,
+    -id)``), so the kept tokens are summed up by the first kept element ``(t, j)``. A row where
+    nothing finite is kept gives ``t = +inf``. ``inplace=True`` lets it overwrite ``y``.
+    """
+    order = _order(order)
+    if not inplace:
+        y = y.clone()
+    if order == "sglang":
+        return _sglang_boundary(y, top_k, top_p, min_p)
+    top_p_on = _row_on(top_p, 1.0, y)
+    boundary = None
+    if order == "vllm":
+        if min_p is not None:
+            _min_p_(y, min_p)
+        if top_k is not None:
+            _top_k_(y, top_k)
+        if top_p is not None and (top_p_on is not None or top_p < 1.0):
+            boundary = _top_p_boundary_at(y, _top_p_cut(top_p, y, order))
+    else:  # hf: top_k, top_p, then min_p on what is left
+        if top_k is not None:
+            _top_k_(y, top_k)
+        if top_p is not None and (top_p_on is not None or top_p < 1.0):
+            b = _top_p_boundary_at(y, _top_p_cut(top_p, y, order))
+            t, j = _merge_top_p(torch.full_like(b[0], NEG_INF), torch.zeros_like(b[1]), b, top_p_on)
+            y.masked_fill_(~kept_from_boundary(y, (t, j)), NEG_INF)  # NaN stays (always kept)
+        if min_p is not None:
+            _min_p_(y, min_p)
+    t, j = _first_kept(y)
+    if boundary is not None:
+        t, j = _merge_top_p(t, j, boundary, top_p_on)
+    return t, j
+
+
+def _sglang_boundary(y: torch.Tensor, top_k, top_p, min_p) -> Tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's ``top_k_top_p_min_p_sampling_from_probs_torch`` on rows ``y``: the last kept token
+    ``(t, j)`` in descending ``(value, -id)`` order (see :func:`truncation_boundary`)."""
+    rows, vocab = y.shape
+    probs = torch.softmax(y, -1)
+    order = torch.sort(y, dim=-1, descending=True, stable=True).indices  # probs' order, ties by lower id
+    p = probs.gather(1, order)
+    del probs
+    drop = torch.zeros(rows, vocab, dtype=torch.bool, device=y.device)
+    position = torch.arange(vocab, device=y.device)
+    if top_k is not None:
+        k = _k_column(top_k, vocab, y) if isinstance(top_k, torch.Tensor) else top_k
+        drop |= position >= k
+    if top_p is not None:
+        before = torch.cumsum(p, -1).sub_(p)
+        cut = before > _column(top_p, y)
+        on = _row_on(top_p, 1.0, y)
+        drop |= cut if on is None else cut & on
+    if min_p is not None:
+        drop |= p < p[:, :1] * _column(min_p, y)
+    b = torch.where(drop.any(-1), drop.to(torch.uint8).argmax(-1), vocab)  # the first dropped position
+    last = (b - 1).clamp(min=0).unsqueeze(-1)
+    j = order.gather(1, last)
+    t = y.gather(1, j)
+    return t.squeeze(-1), j.squeeze(-1)
 
 
 def sorted_values(y: torch.Tensor) -> torch.Tensor:
@@ -198,7 +340,13 @@ def sorted_values(y: torch.Tensor) -> torch.Tensor:
 
 
 def _top_p_boundary(y: torch.Tensor, top_p: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's top_p on rows ``y`` (min_p and top_k already applied as -inf): the first kept token
+    """vLLM's top_p on rows ``y`` (see :func:`_top_p_boundary_at`)."""
+    return _top_p_boundary_at(y, _top_p_cut(top_p, y, "vllm"))
+
+
+def _top_p_boundary_at(y: torch.Tensor, cut: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top_p on rows ``y`` (min_p and top_k already applied as -inf) dropping the sorted positions
+    whose cumulative mass is ``<= cut`` (:func:`_top_p_cut`): the first kept token
     ``(t, j)`` in ascending ``(value, id)`` order, the order of vLLM's sort made stable.
 
     vLLM sorts ascending, takes the softmax of the sorted row and its cumulative sum, and drops the
@@ -209,7 +357,7 @@ def _top_p_boundary(y: torch.Tensor, top_p: float) -> Tuple[torch.Tensor, torch.
     values = sorted_values(y)
     cumulative = torch.softmax(values, -1)
     torch.cumsum(cumulative, -1, out=cumulative)
-    drop = cumulative <= _f32(1.0, y) - _f32(top_p, y)
+    drop = cumulative <= cut  # cut: 1 - top_p in float32 (0-d, or a column (R, 1) per row)
     del cumulative
     drop[:, -1] = False
     b = (~drop).to(torch.uint8).argmax(-1)  # the first kept position
@@ -227,16 +375,20 @@ def _top_p_boundary(y: torch.Tensor, top_p: float) -> Tuple[torch.Tensor, torch.
 
 
 def kept_from_boundary(y: torch.Tensor, boundary: Optional[Tuple[torch.Tensor, torch.Tensor]],
-                       keep: Optional[torch.Tensor] = None, first_id: int = 0) -> torch.Tensor:
+                       keep: Optional[torch.Tensor] = None, first_id: int = 0,
+                       order: Optional[str] = None) -> torch.Tensor:
     """The kept tokens of rows ``y`` (float32 processed logits, ``(R, V)``): ``(value, id) >=
     (t, j)`` for ``boundary`` (None: no min_p/top_k/top_p), or NaN; never -inf (a token the
     sampler gives no probability, so a label there gets -inf and a zero gradient); and within
-    ``keep`` (a bool mask ``(R, V)``) when given. ``first_id`` is the id of column 0."""
+    ``keep`` (a bool mask ``(R, V)``) when given. ``first_id`` is the id of column 0. ``order``:
+    the boundary's (:func:`truncation_boundary`): for ``"sglang"`` a tie at ``t`` keeps the ids
+    ``<= j`` (its descending sort keeps the lower ids), else those ``>= j``."""
     kept = y != NEG_INF
     if boundary is not None:
         t, j = (b.unsqueeze(-1) for b in boundary)
         ids = torch.arange(first_id, first_id + y.shape[-1], device=y.device)
-        kept &= (y > t) | ((y == t) & (ids >= j)) | torch.isnan(y)
+        tie = ids <= j if order == "sglang" else ids >= j
+        kept &= (y > t) | ((y == t) & tie) | torch.isnan(y)
     if keep is not None:
         kept &= keep
     return kept
@@ -253,25 +405,41 @@ def keep_mask(keep: torch.Tensor, vocab: int) -> torch.Tensor:
     return mask[..., :vocab]
 
 
-def kept_tokens(logits: torch.Tensor, *, temperature: float = 1.0, softcap: Optional[float] = None,
-                top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
-                keep: Optional[torch.Tensor] = None, logits_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """The bool mask ``(..., V)`` of the tokens the sampler keeps (see :func:`truncation_boundary`)."""
+def kept_tokens(logits: torch.Tensor, *, temperature=1.0, softcap: Optional[float] = None,
+                top_k=None, top_p=None, min_p=None, keep: Optional[torch.Tensor] = None,
+                logits_dtype: Optional[torch.dtype] = None, sampler: Optional[str] = None) -> torch.Tensor:
+    """The bool mask ``(..., V)`` of the tokens the sampler keeps (see :func:`truncation_boundary`);
+    ``temperature``, ``top_k``, ``top_p``, ``min_p``: numbers, or per row tensors broadcastable to
+    the positions ``logits.shape[:-1]``; ``sampler``: the engine's order (None: vLLM's)."""
     top_k, top_p, min_p = _normalise(logits.shape[-1], top_k, top_p, min_p)
     vocab = logits.shape[-1]
     y = decision_logits(logits, temperature, softcap, logits_dtype).reshape(-1, vocab)
     boundary = None
     if top_k is not None or top_p is not None or min_p is not None:
-        boundary = truncation_boundary(y, top_k=top_k, top_p=top_p, min_p=min_p)
+        lead = logits.shape[:-1]
+        top_k, top_p, min_p = (rows_of(value, lead) for value in (top_k, top_p, min_p))
+        boundary = truncation_boundary(y, top_k=top_k, top_p=top_p, min_p=min_p, order=sampler)
     mask = None if keep is None else keep_mask(keep, vocab).reshape(-1, vocab)
-    return kept_from_boundary(y, boundary, mask).view(logits.shape)
+    return kept_from_boundary(y, boundary, mask, order=sampler).view(logits.shape)
+
+
+def rows_of(value, lead):
+    """A per-row parameter (a tensor broadcastable to the positions ``lead``) as one value per flat
+    row ``(R,)``; a number or None as is."""
+    if isinstance(value, torch.Tensor):
+        return torch.broadcast_to(value, tuple(lead)).reshape(-1)
+    return value
 
 
 def _normalise(vocab: int, top_k, top_p, min_p):
-    """vLLM's "disabled" values (top_k 0, -1 or >= V; top_p 1; min_p 0) as None."""
-    top_k = None if top_k is None or top_k <= 0 or top_k >= vocab else int(top_k)
-    top_p = None if top_p is None or top_p >= 1.0 else float(top_p)
-    min_p = None if min_p is None or min_p <= 0.0 else float(min_p)
+    """vLLM's "disabled" values (top_k 0, -1 or >= V; top_p 1; min_p 0) as None; per-row tensors
+    as they are (their rows' "off" values are read per row)."""
+    if not isinstance(top_k, torch.Tensor):
+        top_k = None if top_k is None or top_k <= 0 or top_k >= vocab else int(top_k)
+    if not isinstance(top_p, torch.Tensor):
+        top_p = None if top_p is None or top_p >= 1.0 else float(top_p)
+    if not isinstance(min_p, torch.Tensor):
+        min_p = None if min_p is None or min_p <= 0.0 else float(min_p)
     return top_k, top_p, min_p
 
 
@@ -305,14 +473,15 @@ class _Processed:
     kept mask and the value outside it. ``logits_dtype``: the softcap as an engine whose lm_head
     runs in that dtype computes it (:func:`softcapped`)."""
 
-    def __init__(self, logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype=None):
+    def __init__(self, logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype=None,
+                 sampler=None):
         top_k, top_p, min_p = _normalise(logits.shape[-1], top_k, top_p, min_p)
         self.z = processed_logits(logits, temperature=temperature, softcap=softcap, dtype=dtype,
                                   logits_dtype=logits_dtype)
         self.kept = None
         if Sampler(top_k=top_k, top_p=top_p, min_p=min_p, keep=keep).truncates:
             self.kept = kept_tokens(logits, temperature=temperature, softcap=softcap, top_k=top_k,
-                                    top_p=top_p, min_p=min_p, keep=keep, logits_dtype=logits_dtype)
+                                    top_p=top_p, min_p=min_p, keep=keep, logits_dtype=logits_dtype, sampler=sampler)
             self.logp, self.outside = _truncated(self.z, self.kept)
         else:
             self.logp = self.z.log_softmax(-1)
@@ -334,10 +503,11 @@ class _Processed:
 
 # ------------------------------------------------------------------------------------------- ops
 def logprobs(
-    logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+    logits: torch.Tensor, labels: torch.Tensor, *, temperature=1.0,
     ignore_index: Optional[int] = None, dtype: torch.dtype = torch.float64,
     softcap: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
     min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None, logits_dtype: Optional[torch.dtype] = None,
+    sampler: Optional[str] = None,
 ) -> torch.Tensor:
     """``log_softmax(processed logits)[..., labels]``; labels ``(...)`` or candidates ``(..., K)``.
 
@@ -346,43 +516,44 @@ def logprobs(
     without a softcap it changes nothing here."""
     if not Sampler(softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep).used:
         return _gather(_prepare(logits, temperature, dtype).log_softmax(-1), labels, ignore_index)
-    d = _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype)
+    d = _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype, sampler)
     return d.gather(labels, ignore_index)
 
 
-def entropy(logits: torch.Tensor, *, temperature: float = 1.0, dtype: torch.dtype = torch.float64,
+def entropy(logits: torch.Tensor, *, temperature=1.0, dtype: torch.dtype = torch.float64,
             softcap: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
             min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None,
-            logits_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+            logits_dtype: Optional[torch.dtype] = None, sampler: Optional[str] = None) -> torch.Tensor:
     """Entropy of the processed distribution (over the kept tokens); ``logits_dtype`` as in :func:`logprobs`."""
     if not Sampler(softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep).used:
         x = _prepare(logits, temperature, dtype)
         return _entropy(x, x.log_softmax(-1))
-    return _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype).entropy()
+    return _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype, sampler).entropy()
 
 
 def logprobs_and_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+    logits: torch.Tensor, labels: torch.Tensor, *, temperature=1.0,
     ignore_index: Optional[int] = None, dtype: torch.dtype = torch.float64,
     softcap: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
     min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None, logits_dtype: Optional[torch.dtype] = None,
+    sampler: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     if not Sampler(softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep).used:
         x = _prepare(logits, temperature, dtype)
         logp = x.log_softmax(-1)
         return _gather(logp, labels, ignore_index), _entropy(x, logp)
-    d = _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype)
+    d = _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype, sampler)
     return d.gather(labels, ignore_index), d.entropy()
 
 
-def processed_logprobs(logits: torch.Tensor, *, temperature: float = 1.0, dtype: torch.dtype = torch.float64,
+def processed_logprobs(logits: torch.Tensor, *, temperature=1.0, dtype: torch.dtype = torch.float64,
                        softcap: Optional[float] = None, top_k: Optional[int] = None,
                        top_p: Optional[float] = None, min_p: Optional[float] = None,
                        keep: Optional[torch.Tensor] = None, logits_dtype: Optional[torch.dtype] = None,
-                       ) -> torch.Tensor:
+                       sampler: Optional[str] = None) -> torch.Tensor:
     """Every token's processed log-probability ``(..., V)`` (vLLM's ``processed_logprobs``):
     ``-inf`` outside the kept set; ``logits_dtype`` as in :func:`logprobs`."""
-    return _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype).full()
+    return _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype, sampler).full()
 
 
 def topk_ids(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -410,14 +581,14 @@ def topk_ids(values: torch.Tensor, k: int) -> torch.Tensor:
     return ids.gather(-1, order).view(lead + (k,))
 
 
-def topk_logprobs(logits: torch.Tensor, k: int, *, temperature: float = 1.0, dtype: torch.dtype = torch.float64,
+def topk_logprobs(logits: torch.Tensor, k: int, *, temperature=1.0, dtype: torch.dtype = torch.float64,
                   softcap: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
                   min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None,
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+                  sampler: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(values, ids)``: the ``k`` largest processed log-probabilities, largest first, ties by
     smaller id; ``-inf`` (at the smallest ids not yet listed) where fewer than ``k`` are kept."""
     full = processed_logprobs(logits, temperature=temperature, dtype=dtype, softcap=softcap, top_k=top_k,
-                              top_p=top_p, min_p=min_p, keep=keep)
+                              top_p=top_p, min_p=min_p, keep=keep, sampler=sampler)
     ids = topk_ids(full, k)
     return full.gather(-1, ids), ids
 
@@ -443,10 +614,10 @@ def straight_through_round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def logprobs_from_hidden(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
-    temperature: float = 1.0, ignore_index: Optional[int] = None, return_entropy: bool = False,
+    temperature=1.0, ignore_index: Optional[int] = None, return_entropy: bool = False,
     dtype: torch.dtype = torch.float64, softcap: Optional[float] = None, top_k: Optional[int] = None,
     top_p: Optional[float] = None, min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None,
-    logits_dtype: Optional[torch.dtype] = None,
+    logits_dtype: Optional[torch.dtype] = None, sampler: Optional[str] = None,
 ):
     """The logits ``hidden @ weight.T + bias`` (:func:`hidden_logits`), then :func:`logprobs` (and
     :func:`entropy`). With ``logits_dtype``, as an engine whose lm_head runs in it: each logit
@@ -454,7 +625,7 @@ def logprobs_from_hidden(
     and the log-softmax as without it (the decision on the float32 processed logits, as the engine's)."""
     logits = hidden_logits(hidden, weight, bias, dtype, logits_dtype)
     kw = dict(temperature=temperature, dtype=dtype, softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p,
-              keep=keep, logits_dtype=logits_dtype)
+              keep=keep, logits_dtype=logits_dtype, sampler=sampler)
     if return_entropy:
         return logprobs_and_entropy(logits, labels, ignore_index=ignore_index, **kw)
     return logprobs(logits, labels, ignore_index=ignore_index, **kw)

@@ -22,11 +22,85 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from . import validation as _v
 from .validation import LABEL_DTYPES, check_same_device, unravel, values_visible
 
 # ------------------------------------------------------------------------------- checks
 Shape = Sequence[int]   # the logits' shape (..., V): V is a shard's width with process_group=
 Vocab = Optional[int]   # the whole vocabulary's size (None: not known yet, on a shard)
+
+# ------------------------------------------------------------------------------- per-row values
+#: The engines whose processing order and tie rules ``sampler=`` replays (docs/sampler.md).
+ORDERS: Tuple[str, ...] = ("vllm", "hf", "sglang")
+#: The backend feature a per-row (tensor) ``temperature``, ``top_k``, ``top_p`` or ``min_p`` needs.
+PER_ROW = "per_row"
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_sampler(sampler: object) -> Optional[str]:
+    """``sampler=``: None for ``"vllm"`` (the default, and what backends receive for it), else the
+    engine's name."""
+    if sampler is None or sampler == "vllm":
+        return None
+    if not isinstance(sampler, str) or sampler not in ORDERS:
+        raise ValueError(f"sampler must be one of {', '.join(map(repr, ORDERS))} (whose processing order and "
+                         f"tie rules are replayed; docs/sampler.md), got {sampler!r}")
+    return sampler
+
+
+def per_row(name: str, value: torch.Tensor, shape: Shape, device: Any, integer: bool) -> torch.Tensor:
+    """A per-row ``name`` (``temperature``, ``top_k``, ``top_p``, ``min_p``): a tensor broadcastable
+    to the positions ``shape[:-1]`` (the logits' leading dims), on the logits' device, of a float
+    dtype (int for ``top_k``); returned converted (float32 or int64) and expanded (no copy) to the
+    positions' shape."""
+    lead = tuple(shape[:-1])
+    kind = "an int32/int64" if integer else "a floating-point"
+    ok = value.dtype in LABEL_DTYPES if integer else value.dtype in _FLOATS
+    if not ok:
+        cast = "long" if integer else "float"
+        raise TypeError(f"{name} is a tensor of dtype {value.dtype}; a per-row {name} must be {kind} tensor "
+                        f"broadcastable to the positions' shape {lead} (e.g. {name}.{cast}())")
+    if device is not None:
+        check_same_device(value, device, name, "logits")
+    try:
+        fits = tuple(torch.broadcast_shapes(tuple(value.shape), lead)) == lead
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{name} has shape {tuple(value.shape)}, which does not broadcast to the positions' shape "
+                         f"{lead}: give one value per position {lead}, or a shape that broadcasts to it, such as "
+                         f"{lead[:1] + (1,) * (len(lead) - 1) if lead else ()} for one value per sequence")
+    converted = value.detach().to(torch.int64 if integer else torch.float32)
+    return converted.expand(lead) if tuple(converted.shape) != lead else converted
+
+
+def check_rows(name: str, value: torch.Tensor, bad: torch.Tensor, rule: str) -> None:
+    """A ValueError naming the first position where ``bad`` (the mask of out-of-range values of the
+    per-row tensor ``value``) holds; skipped where values cannot be read (``values_visible``)."""
+    if value.numel() == 0 or not values_visible(value):
+        return
+    if bool(bad.any()):
+        first = int(bad.reshape(-1).nonzero()[0, 0])
+        where = tuple(unravel(first, bad.shape))
+        raise ValueError(f"{name} = {value.reshape(-1)[first].item()!r} at position {where} (of the positions' shape "
+                         f"{tuple(bad.shape)}) is out of range: {rule}")
+
+
+def _scalar(value: object) -> object:
+    """A one-element tensor whose value can be read is that number (as ``temperature`` always took it)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and values_visible(value):
+        return value.item()
+    return value
+
+
+def check_temperature(temperature: object, shape: Shape = (), device: Any = None, vocab: Vocab = None):
+    """A positive number, or a per-row float tensor (float32, expanded to the positions' shape)."""
+    temperature = _scalar(temperature)
+    if not isinstance(temperature, torch.Tensor):
+        return _v.check_temperature(temperature)
+    rows = per_row("temperature", temperature, shape, device, integer=False)
+    check_rows("temperature", rows, ~((rows > 0) & (rows < math.inf)), "every temperature must be finite and > 0")
+    return rows
 
 
 def check_softcap(softcap: object, shape: Shape = (), device: Any = None, vocab: Vocab = None) -> Optional[float]:
@@ -45,9 +119,17 @@ def check_top_k(top_k: object, shape: Shape = (), device: Any = None, vocab: Voc
     whole vocabulary's size, when known)."""
     if top_k is None:
         return None
+    top_k = _scalar(top_k)
+    if isinstance(top_k, torch.Tensor):
+        rows = per_row("top_k", top_k, shape, device, integer=True)
+        check_rows("top_k", rows, rows < -1, "top_k must be >= 1, or 0 or -1 (off for that row)")
+        off = rows == -1
+        if vocab is not None:
+            off = off | (rows >= vocab)
+        return torch.where(off, 0, rows)  # 0: off for that row
     if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-        raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}; one value for the "
-                        "whole call (split a batch with per-row values by their value)")
+        raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}; a number, or a "
+                        "per-row int tensor of the positions' shape")
     value = int(top_k)
     if value < -1:
         raise ValueError(f"top_k must be >= 1, or 0 or -1 (disabled, as in vLLM), got {value}")
@@ -58,6 +140,11 @@ def check_top_p(top_p: object, shape: Shape = (), device: Any = None, vocab: Voc
     """None when it keeps everything (None or 1)."""
     if top_p is None:
         return None
+    top_p = _scalar(top_p)
+    if isinstance(top_p, torch.Tensor):
+        rows = per_row("top_p", top_p, shape, device, integer=False)
+        check_rows("top_p", rows, ~((rows > 0) & (rows <= 1)), "top_p must be in (0, 1] (1.0: off for that row)")
+        return rows
     if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
         raise TypeError(f"top_p must be a number in (0, 1] or None, got {type(top_p).__name__}")
     value = float(top_p)
@@ -70,6 +157,11 @@ def check_min_p(min_p: object, shape: Shape = (), device: Any = None, vocab: Voc
     """None when it keeps everything (None or 0)."""
     if min_p is None:
         return None
+    min_p = _scalar(min_p)
+    if isinstance(min_p, torch.Tensor):
+        rows = per_row("min_p", min_p, shape, device, integer=False)
+        check_rows("min_p", rows, ~((rows >= 0) & (rows <= 1)), "min_p must be in [0, 1] (0.0: off for that row)")
+        return rows
     if isinstance(min_p, bool) or not isinstance(min_p, numbers.Real):
         raise TypeError(f"min_p must be a number in [0, 1] or None, got {type(min_p).__name__}")
     value = float(min_p)
@@ -130,16 +222,17 @@ class Field:
 FIELDS: Tuple[Field, ...] = (
     Field("softcap", "float > 0 or None: z -> softcap * tanh(z / softcap), before the temperature",
           False, check_softcap),
-    Field("top_k", "int >= 1 or None: keep the top_k largest logits (every logit equal to the k-th largest "
-                   "is kept)", True, check_top_k),
-    Field("top_p", "float in (0, 1) or None: keep the most probable tokens whose mass reaches top_p (computed "
-                   "after top_k; at least one token)", True, check_top_p),
-    Field("min_p", "float in (0, 1] or None: drop tokens less probable than min_p times the most probable one",
-          True, check_min_p),
+    Field("top_k", "int >= 1 or None, or per row an int64 tensor of the positions' shape (0: off for that row): "
+                   "keep the top_k largest logits (ties as the sampler= engine keeps them)", True, check_top_k),
+    Field("top_p", "float in (0, 1) or None, or per row a float32 tensor (1.0: off for that row): keep the most "
+                   "probable tokens whose mass reaches top_p (at least one token)", True, check_top_p),
+    Field("min_p", "float in (0, 1] or None, or per row a float32 tensor (0.0: off for that row): drop tokens "
+                   "less probable than min_p times the most probable one", True, check_min_p),
     Field("keep", "bool (..., V) or int64 ids (..., K) (-1 for none), or None: only these tokens (the sampler's "
                   "own mask)", True, check_keep),
 )
 NAMES: Tuple[str, ...] = tuple(f.name for f in FIELDS)
+_ROW_NAMES = ("top_k", "top_p", "min_p")  # the fields that may be per-row tensors
 _NO_FEATURES: frozenset = frozenset()
 #: The features that truncate the distribution (a label outside the kept set gives -inf).
 TRUNCATION = frozenset(f.name for f in FIELDS if f.truncates)
@@ -153,9 +246,9 @@ class Sampler:
     backend received, already validated)."""
 
     softcap: Optional[float] = None
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
-    min_p: Optional[float] = None
+    top_k: Any = None   # a number, or per row: int64 of the positions' shape (0: off)
+    top_p: Any = None   # a number, or per row: float32 (1.0: off)
+    min_p: Any = None   # a number, or per row: float32 (0.0: off)
     keep: Optional[torch.Tensor] = None
 
     @classmethod
@@ -191,18 +284,26 @@ class Sampler:
         """Whether the keywords can drop tokens (a label outside the kept set then gives -inf)."""
         return any(getattr(self, name) is not None for name in TRUNCATION)
 
+    @property
+    def per_row(self) -> bool:
+        """Whether ``top_k``, ``top_p`` or ``min_p`` is a per-row tensor (feature ``per_row``)."""
+        return any(isinstance(getattr(self, name), torch.Tensor) for name in _ROW_NAMES)
+
     def features(self) -> frozenset:
-        """The backend features a call with this sampler needs (one per keyword in use)."""
+        """The backend features a call with this sampler needs (one per keyword in use, and
+        ``per_row`` for a per-row tensor)."""
         if self is OFF:
             return _NO_FEATURES
-        return frozenset(name for name in NAMES if getattr(self, name) is not None)
+        used = frozenset(name for name in NAMES if getattr(self, name) is not None)
+        return used | {PER_ROW} if self.per_row else used
 
     def keywords(self) -> Dict[str, Any]:
         """The keywords as a backend receives them."""
         return {name: getattr(self, name) for name in NAMES}
 
     def __repr__(self) -> str:
-        used = ", ".join(f"{n}={'<tensor>' if n == 'keep' else getattr(self, n)!r}" for n in NAMES
+        used = ", ".join(f"{n}={'<tensor>' if isinstance(getattr(self, n), torch.Tensor) else getattr(self, n)!r}"
+                         for n in NAMES
                          if getattr(self, n) is not None)
         return f"Sampler({used})"
 

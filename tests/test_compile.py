@@ -136,3 +136,31 @@ def test_fullgraph_compile_with_the_samplers_keywords_candidates_and_topk():
     torch.testing.assert_close(out.detach(), want[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad, want[1], rtol=1e-5, atol=1e-5)
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
+
+
+def per_row_step(x, y, t, k, p, m):
+    """Per-row temperature, top_k, top_p and min_p (tensors), and a sampler= order."""
+    lp, ent = lr.logprobs_and_entropy(x, y, temperature=t, top_k=k, top_p=p, min_p=m, ignore_index=-100)
+    hf = lr.logprobs_from_logits(x, y.clamp(min=0), temperature=t[:, :1], top_p=p, sampler="hf")
+    values, _ = lr.topk_logprobs(x, 3, temperature=t, min_p=m, sampler="sglang")
+    return lp.sum() + 0.5 * ent.sum() + hf.clamp(min=-30).sum() + values.clamp(min=-30).sum()
+
+
+def test_fullgraph_compile_with_per_row_tensor_parameters():
+    x, y, _ = _inputs(6, seed=5)
+    g = torch.Generator().manual_seed(6)
+    t = torch.rand(2, 6, generator=g) + 0.5
+    k = torch.randint(0, 20, (2, 6), generator=g)
+    p = torch.rand(2, 1, generator=g) * 0.5 + 0.5  # one value per sequence, broadcast over positions
+    m = torch.rand(2, 6, generator=g) * 0.2
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(per_row_step, fullgraph=True)
+    results = []
+    for fn in (per_row_step, compiled):
+        leaf = x.clone().requires_grad_(True)
+        out = fn(leaf, y, t, k, p, m)
+        (grad,) = torch.autograd.grad(out, leaf)
+        results.append((out.detach(), grad))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {}

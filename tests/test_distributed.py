@@ -179,13 +179,15 @@ def _call(op="logprobs", **kw):
 
 
 def test_an_option_the_distributed_path_lacks_is_refused_by_name():
-    support.check(_call(temperature=0.5, softcap=None))  # default: fine
-    with pytest.raises(NotImplementedError, match=r"logprobs_from_logits\(\.\.\., process_group=\.\.\.\) does not "
-                                                  r"support softcap=30.0 yet; the distributed path supports "
-                                                  r"ignore_index, inplace_backward, temperature"):
-        support.check(_call(softcap=30.0))
-    assert "softcap=30.0" in support.unsupported_reason(_call(softcap=30.0))
-    assert "keep=<mask of shape (2, 3, 8)>" in support.unsupported_reason(_call(keep=torch.ones(2, 3, 8, dtype=torch.bool)))
+    support.check(_call(temperature=0.5, softcap=30.0, top_k=3, top_p=0.9, min_p=0.1,
+                        keep=torch.ones(2, 3, 8, dtype=torch.bool)))  # the sampler's keywords: fine
+    support.check(_call(temperature=torch.full((2, 3), 0.5), top_k=3, sampler="hf"))  # per row, other orders: fine
+    support.check(_call(top_p=0.9, sampler="sglang"))
+    call = validate("kl_divergence", dict(student=torch.zeros(2, 8), teacher=torch.zeros(2, 8), process_group=_GROUP,
+                                          support=torch.arange(3).expand(2, 3)))
+    with pytest.raises(NotImplementedError, match=r"kl_divergence\(\.\.\., process_group=\.\.\.\) does not support "
+                                                  r"support=.*gather both sides' shards to one rank"):
+        support.check(call)
 
 
 def test_double_backward_is_refused_with_a_remedy_that_works_with_a_group():
@@ -198,11 +200,9 @@ def test_double_backward_is_refused_with_a_remedy_that_works_with_a_group():
             fn(None, torch.ones(1))
 
 
-def test_candidate_labels_are_refused_with_a_sentence():
+def test_candidate_labels_pass_the_support_check():
     support.check(_call(labels=torch.zeros(2, 3, dtype=torch.long)))  # (...): fine
-    with pytest.raises(NotImplementedError, match=r"candidate labels \(2, 3, 4\) \(\.\.\., K\) are not supported "
-                                                  r"with process_group= yet; pass one label per position"):
-        support.check(_call(labels=torch.zeros(2, 3, 4, dtype=torch.long)))
+    support.check(_call(labels=torch.zeros(2, 3, 4, dtype=torch.long)))  # (..., K): fine too
 
 
 def test_values_that_mean_keep_everything_are_the_default_with_a_group_too():
@@ -211,22 +211,25 @@ def test_values_that_mean_keep_everything_are_the_default_with_a_group_too():
     support.check(_call(top_k=0, top_p=1.0, min_p=0.0))
     support.check(_call(top_k=-1))
     support.check(_call("logprobs_from_hidden", logits_dtype=torch.float32))
-    # more than the shard's 8 columns still truncates the whole vocabulary
-    with pytest.raises(NotImplementedError, match="does not support top_k=100 yet"):
-        support.check(_call(top_k=100))
-    with pytest.raises(NotImplementedError, match="logits_dtype=torch.bfloat16"):
-        support.check(_call("logprobs_from_hidden", logits_dtype=torch.bfloat16))
+    # more than the shard's 8 columns still truncates the whole vocabulary: kept as given, and supported
+    assert _call(top_k=100).options["top_k"] == 100
+    support.check(_call(top_k=100))
+    support.check(_call("logprobs_from_hidden", logits_dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="top_p"):
         _call(top_p=2.0)
 
 
 def test_the_shard_ops_are_in_the_op_table_without_a_public_function():
-    logprob_shards = ("shard_stats", "shard_grad", "hidden_shard_stats", "hidden_shard_grad")
+    logprob_shards = ("shard_stats", "shard_grad", "hidden_shard_stats", "hidden_shard_grad", "shard_topk",
+                      "hidden_shard_topk")
     assert SHARD_OPS == logprob_shards + ("kl_shard_stats", "kl_shard_grad")
     with pytest.raises(ValueError, match="has no public function: the distributed core calls it"):
         OPS["shard_stats"].public()
     for name in ("chunked", "compiled", "triton", "naive"):
-        assert set(logprob_shards) <= set(lr.get_registry().get(name).ops), name
+        assert set(logprob_shards[:4]) <= set(lr.get_registry().get(name).ops), name
+    for name in ("chunked", "naive"):  # the sampler's keywords (feature shard_sampler)
+        backend = lr.get_registry().get(name)
+        assert set(logprob_shards) <= set(backend.ops) and "shard_sampler" in backend.features, name
     for name in ("chunked", "naive"):  # kl_divergence(..., process_group=...)
         assert {"kl_shard_stats", "kl_shard_grad"} <= set(lr.get_registry().get(name).ops), name
     invariant = {b.name for b in lr.backends() if b.group_invariant}
@@ -478,7 +481,7 @@ def test_check_runs_the_distributed_section():
     assert names == ["test_distributed_bad_input_raises_on_every_rank", "test_distributed_bitwise_across_group_sizes",
                      "test_distributed_gradients", "test_distributed_kl_bitwise_across_group_sizes",
                      "test_distributed_kl_gradients", "test_distributed_kl_results_on_every_rank",
-                     "test_distributed_results_on_every_rank"], proc.stdout + proc.stderr
+                     "test_distributed_results_on_every_rank", "test_distributed_sampler"], proc.stdout + proc.stderr
 
 
 def test_the_triton_tile_kernel_compiles_for_gpus():

@@ -188,7 +188,7 @@ def test_scores_changed_by_another_processor_are_refused():
 
 @pytest.mark.parametrize("bad, message", [
     (dict(temperature=0.0), "temperature"), (dict(top_k=0), "top_k"), (dict(top_p=1.5), "top_p"),
-    (dict(new_tokens=0), "new_tokens"),
+    (dict(min_p=-0.5), "min_p"), (dict(new_tokens=0), "new_tokens"),
 ])
 def test_bad_settings_say_what_is_wrong(bad, message):
     with pytest.raises(parity.ParityError, match=message):
@@ -266,3 +266,18 @@ def test_the_backend_named_is_the_one_that_ran_whatever_the_vocabulary():
     named = parity._selected_backend((logits, ids, {}), 0.7, {"top_k": 5})
     assert seen == [named]
     assert named == lr.select("logprobs", shape=logits.shape).name
+
+
+def test_the_replay_follows_generates_order_and_the_report_shows_vllms_would_differ(models, reports):
+    """generate() applies min_p after top_k and top_p: the replay uses sampler="hf", which keeps
+    generate's tokens exactly on the constructed case where vLLM's order (min_p first) does not."""
+    for r in reports.values():
+        assert r.order["hf_differs"] == 0 and r.order["vllm_differs"] > 0, r.order
+        text = parity.format_report(r)
+        assert 'replayed as sampler="hf"' in text and f'than "vllm" (min_p first) at {r.order["vllm_differs"]}' in text
+        assert r.to_dict()["order"]["case"]["min_p"] == parity.ORDER_CASE["min_p"]
+    settings = parity.Settings(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, new_tokens=6, prompts=1,
+                               prompt_length=6, seed=1)
+    r = parity.check_model(models["tiny-llama"], "tiny-llama", settings)
+    assert r.within_rounding and r.replay.outside_kept == 0, parity.format_report(r)
+    assert "min_p 0.05" in parity.format_report(r)

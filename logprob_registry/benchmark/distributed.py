@@ -11,6 +11,10 @@ call after a barrier:
 - ``gather to rank 0``: ``torch.distributed.gather`` of the shards to rank 0, the op there on the
   full logits, the result broadcast back (and, with ``--backward``, the gradient scattered back).
 
+With ``--sampler top_p=0.9,top_k=50`` (``softcap``, ``top_k``, ``top_p``, ``min_p``) both methods
+replay that sampler: the shards merge their top-k lists and statistics (docs/distributed.md), the
+gather computes on the full logits.
+
 Reported per method: the median over calls of the slowest rank's time; the largest peak memory a
 call adds on a rank (on the CPU through the peak resident set size; see
 :mod:`logprob_registry.benchmark.memory`); the bytes the ranks receive together, per row of logits (measured
@@ -45,6 +49,7 @@ class Plan:
     repeat: int = 5
     warmup: int = 2
     backend: Optional[str] = None
+    sampler: tuple = ()  # (keyword, value) pairs: softcap, top_k, top_p, min_p
 
     @property
     def rows(self) -> int:
@@ -52,8 +57,9 @@ class Plan:
 
     def describe(self) -> str:
         what = "forward + backward" if self.backward else "forward"
-        return (f"{self.op}, {self.dtype} logits {tuple(self.shape)} split over {self.world} gloo processes "
-                f"(CPU, 1 thread each), {what}")
+        sampler = "".join(f", {k}={v}" for k, v in self.sampler)
+        return (f"{self.op}{sampler}, {self.dtype} logits {tuple(self.shape)} split over {self.world} gloo "
+                f"processes (CPU, 1 thread each), {what}")
 
 
 def _call(plan: Plan, logits, labels, **kw):
@@ -61,8 +67,27 @@ def _call(plan: Plan, logits, labels, **kw):
     from ..opspec import OPS
 
     spec = OPS[plan.op]
-    out = spec.public()(*(logits, labels)[: len(spec.inputs)], **kw)
+    out = spec.public()(*(logits, labels)[: len(spec.inputs)], **dict(plan.sampler), **kw)
     return out if isinstance(out, tuple) else (out,)
+
+
+def _loss(outs) -> torch.Tensor:
+    """The sum of the results, a label outside the sampler's kept set (-inf) counted as 0."""
+    return sum(torch.where(torch.isfinite(o), o, torch.zeros_like(o)).sum() for o in outs)
+
+
+def parse_sampler(text: Optional[str]) -> tuple:
+    """``"top_p=0.9,top_k=50"`` as ((keyword, value), ...): softcap, top_k (int), top_p, min_p."""
+    if not text:
+        return ()
+    out = []
+    for item in text.split(","):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in ("softcap", "top_k", "top_p", "min_p"):
+            raise ValueError(f"--sampler takes KEY=VALUE pairs of softcap, top_k, top_p, min_p, got {item!r}")
+        out.append((key, int(value) if key == "top_k" else float(value)))
+    return tuple(out)
 
 
 def rank_bench(rank: int, world: int, plan: Plan) -> dict:
@@ -86,7 +111,7 @@ def rank_bench(rank: int, world: int, plan: Plan) -> dict:
         x = shard.detach().requires_grad_(plan.backward)
         outs = _call(plan, x, labels, process_group=group, backend=plan.backend)
         if plan.backward:
-            sum(o.sum() for o in outs).backward()
+            _loss(outs).backward()
         return outs
 
     def gathered():
@@ -99,7 +124,7 @@ def rank_bench(rank: int, world: int, plan: Plan) -> dict:
             full = torch.cat(parts, dim=-1).requires_grad_(plan.backward)
             outs = list(_call(plan, full, labels, backend=plan.backend))
             if plan.backward:
-                sum(o.sum() for o in outs).backward()
+                _loss(outs).backward()
                 grads = list(full.grad.split(width, dim=-1))
                 grads = [g.contiguous() for g in grads]
             outs = [o.detach() for o in outs]
@@ -130,9 +155,11 @@ def rank_bench(rank: int, world: int, plan: Plan) -> dict:
         received = dgroup.traffic(reset=True) if name == "process_group" else gather_bytes
         results[name] = [o.detach() for o in out]
         report[name] = dict(times=times, peak_bytes=peak, bytes_received=received)
-    diff = max(float((a.double() - c.double()).abs().nan_to_num(0.0).max()) if a.numel() else 0.0
+    diff = max(float((a.double() - c.double()).abs().nan_to_num(0.0, 0.0, 0.0).max()) if a.numel() else 0.0
                for a, c in zip(results["process_group"], results["gather to rank 0"]))
-    return dict(report=report, max_diff=diff)
+    flips = sum(int((torch.isinf(a) != torch.isinf(c)).sum())
+                for a, c in zip(results["process_group"], results["gather to rank 0"]))
+    return dict(report=report, max_diff=diff, kept_differs=flips)
 
 
 def run(plan: Plan, timeout: float = 1800) -> dict:
@@ -149,17 +176,21 @@ def run(plan: Plan, timeout: float = 1800) -> dict:
         received = sum(p["bytes_received"] for p in per_rank)
         rows.append(dict(method=name, time_ms=statistics.median(slowest) * 1e3,
                          peak_bytes=max(peaks) if peaks else None, bytes_per_row=received / max(plan.rows, 1)))
-    return dict(plan=asdict(plan), rows=rows, max_diff=max(r["max_diff"] for r in ranks))
+    return dict(plan=asdict(plan), rows=rows, max_diff=max(r["max_diff"] for r in ranks),
+                kept_differs=max(r.get("kept_differs", 0) for r in ranks))
 
 
 def render(result: dict) -> str:
-    plan = Plan(**{**result["plan"], "shape": tuple(result["plan"]["shape"])})
+    plan = Plan(**{**result["plan"], "shape": tuple(result["plan"]["shape"]),
+                   "sampler": tuple(tuple(p) for p in result["plan"].get("sampler", ()))})
     lines = [f"bench --process-group {plan.world}: {plan.describe()}",
              f"{'method':<18} {'time (ms)':>10} {'peak memory/rank':>17} {'bytes/row (all ranks)':>22}"]
     for row in result["rows"]:
         peak = "n/a" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**20:.1f} MiB"
         lines.append(f"{row['method']:<18} {row['time_ms']:>10.1f} {peak:>17} {row['bytes_per_row']:>22,.0f}")
     lines.append(f"largest difference between the two (from the unsharded call): {result['max_diff']:.3g}")
+    if plan.sampler:
+        lines.append(f"labels kept by one method and dropped by the other: {result.get('kept_differs', 0)}")
     return "\n".join(lines)
 
 
@@ -186,6 +217,7 @@ def run_cli(args) -> int:
         if args.repeat < 1 or args.warmup < 0:
             raise ValueError("--repeat must be at least 1 and --warmup at least 0")
         backend = args.backend[0] if args.backend else None
+        sampler = parse_sampler(getattr(args, "sampler", None))
         if len(args.backend) > 1:
             raise ValueError("--process-group measures one backend (or the automatic choice): give --backend once")
     except ValueError as exc:
@@ -194,7 +226,7 @@ def run_cli(args) -> int:
     docs: List[dict] = []
     for op in ops:
         for dtype in dtypes:
-            plan = Plan(op, world, shape, dtype, args.backward, args.repeat, args.warmup, backend)
+            plan = Plan(op, world, shape, dtype, args.backward, args.repeat, args.warmup, backend, sampler)
             print(f"bench: {plan.describe()} ...", file=sys.stderr, flush=True)
             result = run(plan, args.timeout)
             docs.append(result)

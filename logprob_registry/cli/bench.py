@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                            "any extension matplotlib writes: .png, .svg, .pdf, ...)")
     parser.add_argument("--process-group", type=int, metavar="N", help="the process_group= path over N local gloo "
                         "processes, beside gathering the logits to one rank (logprob_registry.benchmark.distributed)")
+    parser.add_argument("--sampler", metavar="KEY=VALUE[,KEY=VALUE]", help="with --process-group: replay a "
+                        "sampler in both methods, e.g. top_p=0.9,top_k=50 (softcap, top_k, top_p, min_p)")
     parser.add_argument("--timeout", type=float, default=1800, metavar="SECONDS",
                         help="give up on a method after this long per measurement (default 1800)")
 

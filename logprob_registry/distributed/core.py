@@ -45,12 +45,13 @@ class Merged(NamedTuple):
 
 
 def per_row_grads(g_lp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor], lead: tuple, acc: torch.dtype,
-                  labels: Optional[torch.Tensor], ignore_index) -> tuple:
+                  labels: Optional[torch.Tensor], ignore_index, label_shape: Optional[tuple] = None) -> tuple:
     """The upstream gradients of logprobs and entropy as a backward's shard op takes them: shape
-    ``lead``, dtype ``acc``, contiguous (an upstream gradient is often expanded), and zero where the
-    label is ``ignore_index`` (validated; None where not given)."""
+    ``lead`` (the logprobs' ``label_shape`` when given: candidate labels (..., K)), dtype ``acc``,
+    contiguous (an upstream gradient is often expanded), and zero where the label is
+    ``ignore_index`` (validated; None where not given)."""
     if g_lp is not None:
-        g_lp = g_lp.reshape(lead).to(acc).contiguous()
+        g_lp = g_lp.reshape(lead if label_shape is None else label_shape).to(acc).contiguous()
         if ignore_index is not None:
             g_lp = g_lp.masked_fill(labels == ignore_index, 0.0)
     if g_ent is not None:
@@ -59,8 +60,9 @@ def per_row_grads(g_lp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor], l
 
 
 def local_stats(op: str, backend: Optional[str], key: Key, inputs: tuple, options: dict, rows: int, width: int,
-                tile: int, acc: torch.dtype, with_entropy: bool, with_labels: bool) -> Stats:
-    """Run the shard-statistics op ``op`` through the registry and check what it returned."""
+                tile: int, acc: torch.dtype, with_entropy: bool, with_labels: int) -> Stats:
+    """Run the shard-statistics op ``op`` through the registry and check what it returned;
+    ``with_labels``: label logits per row (0: none; K for candidate labels (..., K))."""
     out = get_registry().call(key, backend, inputs, options)
     nt = -(-width // tile)
 
@@ -72,12 +74,13 @@ def local_stats(op: str, backend: Optional[str], key: Key, inputs: tuple, option
                            "(tile_max, tile_sumexp, tile_elog, label_logits) the op table specifies")
     wanted = {"tile_max": True, "tile_sumexp": True, "tile_elog": with_entropy, "label_logits": with_labels}
     flat = []
+    per = int(with_labels)
     for (what, present), value in zip(wanted.items(), out):
         if not present:
             flat.append(None)
             continue
-        expected = (rows,) if what == "label_logits" else (rows, nt)
-        if not isinstance(value, torch.Tensor) or value.numel() != rows * (1 if what == "label_logits" else nt):
+        expected = (rows, per) if what == "label_logits" else (rows, nt)
+        if not isinstance(value, torch.Tensor) or value.numel() != rows * (per if what == "label_logits" else nt):
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise RuntimeError(f"backend {name()!r}: {op} returned {what} of shape {got}, expected {rows} rows "
                                f"x {expected[-1] if len(expected) > 1 else 1} (the leading dims, then the "
@@ -92,19 +95,38 @@ def exchange(group: Group, local: header.Local, device: torch.device) -> header.
     return header.check(table, local)
 
 
-def gather(group: Group, layout: header.Layout, stats: Stats, device: torch.device, acc: torch.dtype):
-    """The statistics all-gather: ``(W, N, P)`` on ``device``, and the tiles per rank."""
+def gather(group: Group, layout: header.Layout, stats: Optional[Stats], device: torch.device, acc: torch.dtype,
+           failure: Optional[BaseException] = None, labels: int = 1, with_entropy: Optional[bool] = None):
+    """The statistics all-gather: ``(W, N, P)`` on ``device``, and the tiles per rank.
+
+    ``labels``: the label logits per row (the last columns; K for candidate labels). ``failure``:
+    this rank could not compute its statistics after the header (a sampler's second round); it
+    still joins the gather, with its failure flag set, so that every rank raises instead of the
+    others hanging (the flag travels in one more column, after the labels')."""
     rows, nts = layout.rows, layout.tiles
     width = max(nts)
-    k = 2 if stats.t is None else 3
-    packet = torch.zeros(rows, k * width + 1, dtype=acc, device=device)
-    nt = stats.m.shape[1]
-    for i, part in enumerate((stats.m, stats.s, stats.t)):
-        if part is not None:
-            packet[:, i * width:i * width + nt] = part.to(device)
-    if stats.label_logits is not None:
-        packet[:, -1] = stats.label_logits.to(device)
-    return group.all_gather(packet, device), width
+    if with_entropy is None:
+        with_entropy = stats is not None and stats.t is not None
+    k = 3 if with_entropy else 2
+    labels = max(1, labels)
+    packet = torch.zeros(rows, k * width + labels + 1, dtype=acc, device=device)
+    if failure is not None:
+        packet[:, -1] = 1.0
+    else:
+        nt = stats.m.shape[1]
+        for i, part in enumerate((stats.m, stats.s, stats.t)):
+            if part is not None:
+                packet[:, i * width:i * width + nt] = part.to(device)
+        if stats.label_logits is not None:
+            packet[:, k * width:k * width + labels] = stats.label_logits.reshape(rows, -1).to(device)
+    gathered = group.all_gather(packet, device)
+    if rows:
+        failed = [r for r in range(gathered.shape[0]) if float(gathered[r, 0, -1]) != 0.0]
+        if failed:
+            raise RuntimeError(
+                f"computing the statistics of the process_group= call failed on rank(s) {failed} (this rank's own "
+                "error, if any, is chained as its cause); no rank has a result") from failure
+    return gathered[..., :-1], width
 
 
 def combine(gathered: torch.Tensor, width: int, layout: header.Layout, labels: Optional[torch.Tensor],
@@ -120,14 +142,20 @@ def combine(gathered: torch.Tensor, width: int, layout: header.Layout, labels: O
     logprobs = None
     if labels is not None:
         device = gathered.device
-        lab = labels.reshape(-1).to(device=device, dtype=torch.int64)
+        rows = lse.shape[0]
+        lab = labels.reshape(rows, -1).to(device=device, dtype=torch.int64)  # (N, K): K = 1 but for candidates
+        per = lab.shape[1]
+        first = gathered.shape[-1] - per
         valid = torch.ones_like(lab, dtype=torch.bool) if ignore_index is None else lab != ignore_index
         lab = torch.where(valid, lab, torch.zeros_like(lab))
         starts = torch.tensor([layout.starts[r] for r in layout.order], dtype=torch.int64, device=device)
         order = torch.tensor(layout.order, dtype=torch.int64, device=device)
         owner = order[torch.searchsorted(starts, lab, right=True) - 1]
-        picked = gathered[owner, torch.arange(lab.numel(), device=device), -1]
-        logprobs = torch.where(valid, picked - lse, torch.zeros((), dtype=lse.dtype, device=device))
+        row = torch.arange(rows, device=device).unsqueeze(1).expand_as(lab)
+        column = first + torch.arange(per, device=device).unsqueeze(0).expand_as(lab)
+        picked = gathered[owner, row, column]
+        logprobs = torch.where(valid, picked - lse.unsqueeze(1), torch.zeros((), dtype=lse.dtype, device=device))
+        logprobs = logprobs.reshape(labels.shape)
     return Merged(lse, entropy, logprobs)
 
 
@@ -157,10 +185,11 @@ def sum_over_group(group: Group, like: torch.Tensor, partial: Optional[torch.Ten
     return buffer[:size].view(like.shape).to(device=like.device, dtype=like.dtype)
 
 
-def describe(local: header.Local, on: torch.Tensor, vocab: int, temperature: float, group: Group,
+def describe(local: header.Local, on: torch.Tensor, vocab: int, temperature, group: Group,
              vocab_start: Optional[int], checked: Optional[torch.Tensor], hidden: bool) -> int:
     """Fill this rank's header row with what every rank must agree on (the input's dtype and leading
-    shape, the shard's width, the temperature, the tensor whose checksum is compared, the hidden
+    shape, the shard's width, the temperature (a number, or per row: its checksum is compared,
+    :func:`.header.temperature_code`), the tensor whose checksum is compared, the hidden
     size); returns the shard's global start (``vocab_start``, or ``rank * vocab``)."""
     lead = tuple(on.shape[:-1])
     local.dtype, local.shape, local.rows, local.width = on.dtype, lead, math.prod(lead), vocab

@@ -191,9 +191,9 @@ class _Plan:
         if self.op == "topk_logprobs":
             raise NotImplementedError(
                 f"topk_logprobs of logits sharded on the vocabulary dim ({x.placements[mesh_dim]!r} on mesh dim "
-                f"{mesh_dim}) is not supported yet: it would run topk_logprobs(..., process_group=...), which is not "
-                "supported yet; redistribute the logits to Replicate() on that mesh dim (or gather them), or call "
-                "without a vocabulary shard")
+                f"{mesh_dim}) is not supported with DTensor yet; call topk_logprobs(x.to_local(), k, "
+                "process_group=..., vocab_start=...) on the local shard (every rank gets the complete values and "
+                "global ids), or redistribute the logits to Replicate() on that mesh dim")
         self.vocab_dim = mesh_dim
         self.vocab_start = _offset(x, dim)
 

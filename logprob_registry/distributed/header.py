@@ -26,10 +26,19 @@ from .. import config
 from ..dtypes import FLOAT_DTYPES, dtype_name
 from ..registry.errors import NoEligibleBackendError
 
-MAGIC = 0x6C70_7267_0001  # "lprg", protocol version 1: ranks running another version are told so
+MAGIC = 0x6C70_7267_0002  # "lprg", protocol version 2: ranks running another version are told so
 MESSAGE_BYTES = 400
 (MAGIC_, OP, FLAGS, ROWS, SHAPE, WIDTH, START, TILE, TEMPERATURE, IGNORE, LABELS1, LABELS2, DTYPE, HIDDEN,
- ERROR, MESSAGE_LENGTH, MESSAGE) = range(17)
+ SOFTCAP, TOP_K, KEEP, LOGITS_DTYPE, MIN_P, TOP_P, ERROR, MESSAGE_LENGTH, MESSAGE) = range(23)
+#: The sampler's columns, what each holds, for the message of a disagreement.
+SAMPLER_COLUMNS = ((SOFTCAP, "softcap (its float64 bits; 0: none)"),
+                   (TOP_K, "top_k (the number; for a per-row tensor a checksum of its values; 0: none)"),
+                   (KEEP, "keep (a checksum of the global ids; -1: a mask, whose shards differ; 0: none)"),
+                   (LOGITS_DTYPE, "logits_dtype (0: none, 1: bfloat16, 2: float16), candidate labels' K or "
+                                  "topk_logprobs' k (times 4); all times 3 plus the sampler's order (0: vllm, 1: hf, "
+                                  "2: sglang)"),
+                   (MIN_P, "min_p (its float64 bits; for a per-row tensor a checksum of its bits; 0: none)"),
+                   (TOP_P, "top_p (its float64 bits; for a per-row tensor a checksum of its bits; 0: none)"))
 LENGTH = MESSAGE + MESSAGE_BYTES // 8
 
 # flags
@@ -38,7 +47,7 @@ LENGTH = MESSAGE + MESSAGE_BYTES // 8
 # kl_divergence's (HAS_LABELS: a mask, whose checksum is compared; HIDDEN: the student's hidden size)
 KL_REVERSE, TEACHER_HIDDEN = 1 << 8, 1 << 9
 
-OPS = ("logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden", "kl_divergence")
+OPS = ("logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden", "kl_divergence", "topk_logprobs")
 _DTYPES = (None,) + tuple(FLOAT_DTYPES)  # code 0: not known (the input was not a float tensor)
 
 #: Exception types carried through the header, by code; any other exception travels as RuntimeError.
@@ -70,6 +79,7 @@ class Local:
     labels: Optional[torch.Tensor] = None  # validated labels, for the checksum
     error: Optional[BaseException] = None
     labels_name: str = "labels"  # what ``labels`` is, for the message (kl_divergence: its mask)
+    sampler: tuple = (0, 0, 0, 0, 0, 0)  # the SAMPLER_COLUMNS' values (see sampled.header_values)
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,22 @@ def _float_bits(value: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(value)))[0]
 
 
+def temperature_code(temperature) -> int:
+    """The header's temperature column: a number's float64 bits (>= 0: validation keeps it positive),
+    or for a per-row tensor ``-1 - `` a position-weighted checksum of its float32 bits
+    (:func:`checksums`: one cheap pass; a single changed or two swapped rows change it)."""
+    if isinstance(temperature, torch.Tensor):
+        bits = temperature.detach().to(torch.float32).contiguous().view(torch.int32)
+        return -1 - int(checksums(bits)[0])
+    return _float_bits(temperature)
+
+
+def _temperature_shown(code: int):
+    if code < 0:
+        return f"<per-row tensor, checksum {-1 - code}>"
+    return struct.unpack("<d", struct.pack("<q", code))[0]
+
+
 def _shape_code(shape: Sequence[int]) -> int:
     code = 1469598103934665603  # FNV-1a over the sizes, kept in int64
     for size in (len(shape), *shape):
@@ -130,10 +156,12 @@ def row(local: Local, device: torch.device) -> torch.Tensor:
     values[WIDTH] = local.width
     values[START] = local.start
     values[TILE] = local.tile
-    values[TEMPERATURE] = _float_bits(local.temperature)
+    values[TEMPERATURE] = temperature_code(local.temperature)
     values[IGNORE] = local.ignore_index
     values[DTYPE] = _DTYPES.index(local.dtype) if local.dtype in _DTYPES else 0
     values[HIDDEN] = local.hidden
+    for (column, _), value in zip(SAMPLER_COLUMNS, local.sampler):
+        values[column] = int(value)
     if local.error is not None:
         code = next((c for c, kind in ERRORS.items() if type(local.error) is kind), None)
         if code is None:
@@ -203,7 +231,9 @@ def check(table: torch.Tensor, local: Local) -> Layout:
     disagree(DTYPE, "the input dtype", lambda code: dtype_name(_DTYPES[code]) if code else "?")
     disagree(HIDDEN, "the hidden size")
     disagree(TILE, "the tile size")
-    disagree(TEMPERATURE, "the temperature", lambda bits: struct.unpack("<d", struct.pack("<q", bits))[0])
+    disagree(TEMPERATURE, "the temperature", _temperature_shown)
+    for column, what in SAMPLER_COLUMNS:
+        disagree(column, f"the sampler's {what}")
     if t[0][FLAGS] & HAS_IGNORE:
         disagree(IGNORE, "ignore_index")
     for column in (LABELS1, LABELS2):

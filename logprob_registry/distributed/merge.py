@@ -57,3 +57,14 @@ def merge_cross(m: torch.Tensor, s: torch.Tensor, c: torch.Tensor) -> Tuple[torc
     total = _tree_over_tiles(s * w)
     weighted = torch.where(live, c * w, zero)
     return big + torch.log(total), _tree_over_tiles(weighted) / total
+
+
+def max_and_total(m: torch.Tensor, s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(M, S)`` per row from tile statistics ``m, s`` (N, T), global order: ``M = max m`` and ``S =
+    sum exp(z - M)``, summed as :func:`merge` sums it (the softmax's max and normaliser, for min_p)."""
+    big = m.amax(-1)
+    big_safe = big.masked_fill(big == NEG_INF, 0.0)
+    live = m != NEG_INF
+    zero = torch.zeros((), dtype=m.dtype, device=m.device)
+    w = torch.where(live, torch.exp(torch.where(live, m - big_safe.unsqueeze(-1), zero)), zero)
+    return big, _tree_over_tiles(s * w)

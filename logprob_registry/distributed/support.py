@@ -1,11 +1,12 @@
 """What the vocabulary-parallel path supports, checked on the validated call before any collective.
 
 A ``process_group=`` call takes every option of its op that no backend feature governs
-(``temperature``, ``ignore_index``, ``inplace_backward``, ``bias``, ``return_entropy``). An option
-that needs a feature (the sampler's keywords, ``logits_dtype``) and candidate labels are refused
-with a sentence until the distributed path implements them and lists their feature in
-:data:`FEATURES`. Values that change nothing (``top_k=0``, ``top_p=1.0``, ``logits_dtype=float32``)
-were made the defaults by validation, so they need no feature and pass.
+(``temperature``, ``ignore_index``, ``inplace_backward``, ``bias``, ``return_entropy``), and the
+features in :data:`FEATURES`: candidate labels, ``softcap``, ``keep``, ``top_k``, ``top_p``,
+``min_p`` (the last three also per row), ``logits_dtype`` and ``sampler`` (vLLM's, transformers' or
+SGLang's order; :mod:`.sampled`); ``temperature`` also per row. Values
+that change nothing (``top_k=0``, ``top_p=1.0``, ``logits_dtype=float32``) were made the defaults
+by validation, so they need no feature and pass.
 """
 
 from __future__ import annotations
@@ -16,8 +17,13 @@ import torch
 
 from ..call import Call
 
-#: The backend features a process_group= call may use: kl_divergence's hidden-state sides.
-FEATURES: frozenset = frozenset({"kl_hidden"})
+#: The backend features a process_group= call may use: kl_divergence's hidden-state sides, candidate
+#: labels and the sampler's keywords that the shard ops implement (feature ``shard_sampler``).
+FEATURES: frozenset = frozenset({"kl_hidden", "candidates", "softcap", "keep", "top_k", "top_p", "min_p",
+                                 "logits_dtype", "per_row", "sampler"})
+
+#: Sampler keywords refused with process_group= (name -> why); none at present.
+_NOT_YET: dict = {}
 
 
 def _shown(value: Any) -> str:
@@ -38,11 +44,17 @@ def check(call: Call) -> None:
         raise NotImplementedError(
             f"kl_divergence(..., process_group=...) does not support support={_shown(call.options['support'])} "
             "yet; gather both sides' shards to one rank and call without process_group, or leave support=None")
-    if call.candidates:
+    if call.candidates and "candidates" not in FEATURES:
         labels = call.input("labels")
         raise NotImplementedError(
             f"candidate labels {tuple(labels.shape)} (..., K) are not supported with process_group= yet; pass one "
             "label per position (labels[..., k] for each k), or gather the logits and call without process_group")
+    for name, why in _NOT_YET.items():
+        if name in call.features:
+            raise NotImplementedError(
+                f"{spec.function}(..., process_group=...) does not support {name}={_shown(call.options[name])} "
+                f"yet: {why}. Gather the logits to one rank and call without process_group (softcap, keep, top_k, "
+                "min_p, logits_dtype and candidate labels are supported with process_group=)")
     for option in spec.options:
         if option.feature in call.features and option.feature not in FEATURES:
             taken = ", ".join(sorted(o.name for o in spec.options if o.feature is None or o.feature in FEATURES))

@@ -15,6 +15,7 @@ import torch
 import logprob_registry as lr
 from logprob_registry import kit
 from logprob_registry import reference as ref
+from logprob_registry.distributed import processing as P
 from logprob_registry.kit import FLOAT_DTYPES, label_columns, pad_rows, result_dtype, tiled
 
 
@@ -43,6 +44,15 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
     lead = hidden.shape[:-1]
     n = lead.numel()
     candidates = labels.dim() == hidden.dim()
+    rows = _per_row(temperature, sampler)
+    if not (candidates or return_entropy or keep is not None or rows):  # only the active rows cost (kit.on_active_rows)
+        def active(h, y):
+            return logprobs_from_hidden(h, weight, y, bias=bias, temperature=temperature, ignore_index=None,
+                                        return_entropy=False, **sampler)
+
+        out = kit.on_active_rows(active, hidden.reshape(n, hidden.shape[-1]), labels.reshape(n), ignore_index)
+        if out is not None:
+            return out.view(lead)
     # a few rows are padded so that the matmul takes the path it takes for a batch (batch invariance)
     flat = pad_rows(hidden.reshape(n, hidden.shape[-1]))
     pad = flat.shape[0] - n
@@ -51,6 +61,8 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
     if keep is not None:  # padded rows keep every token
         flat_keep = ref.keep_mask(keep, weight.shape[0]).reshape(n, weight.shape[0])
         keep = torch.cat([flat_keep, flat_keep.new_ones(pad, weight.shape[0])])
+    if rows:  # per-row values: padded rows take the neutral ones (temperature 1, truncation off)
+        temperature, sampler = _pad_per_row(lead, pad, temperature, sampler)
     out = ref.logprobs_from_hidden(
         flat, weight, padded_labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
         return_entropy=return_entropy, dtype=result_dtype(hidden.dtype), keep=keep, **sampler,
@@ -59,6 +71,26 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
     if return_entropy:
         return out[0][:n].reshape(shape), out[1][:n].reshape(lead)
     return out[:n].reshape(shape)
+
+
+_NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}  # per row: unchanged, or "off"
+
+
+def _per_row(temperature, sampler) -> bool:
+    """Whether a call has per-row values (tensors of the positions' shape)."""
+    return isinstance(temperature, torch.Tensor) or any(
+        isinstance(sampler.get(name), torch.Tensor) for name in ("top_k", "top_p", "min_p"))
+
+
+def _pad_per_row(lead, pad, temperature, sampler):
+    """The per-row values flattened and extended by ``pad`` neutral rows (see :data:`_NEUTRAL`)."""
+    def extend(name, value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        flat = value.reshape(lead.numel())
+        return torch.cat([flat, flat.new_full((pad,), _NEUTRAL[name])])
+
+    return extend("temperature", temperature), {k: extend(k, v) if k in _NEUTRAL else v for k, v in sampler.items()}
 
 
 def kl_divergence(student, teacher, *, direction, temperature, mask, tail, student_weight=None,
@@ -117,16 +149,90 @@ def _dz(z, labels, lse, entropy, grad_logprobs, grad_entropy, vocab_start, tempe
     return grad / temperature
 
 
-def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy):
+def _sampled(x, labels, lead, *, vocab_start, tile, temperature, ignore_index, with_entropy, softcap, keep,
+             boundary, logits_dtype=None):
+    """shard_stats with the sampler's processing (feature shard_sampler): the tile statistics of z over
+    the kept tokens; labels (...) or candidates (..., K)."""
+    z, y = P.processed(P.rounded(x, logits_dtype), temperature=temperature, softcap=softcap,
+                       acc=result_dtype(x.dtype) if x.dtype != torch.float64 else x.dtype, logits_dtype=logits_dtype)
+    mask = P.kept(y, vocab_start, None if keep is None else keep.reshape(z.shape), _rows(boundary))
+    picked = None
+    if labels is not None:
+        lab = labels.reshape(z.shape[0], -1)
+        owned, value = P.label_values(z, mask, lab, vocab_start, ignore_index)
+        picked = torch.where(owned, value, 0.0).view(labels.shape)
+    m, s, t, _ = _stats(P.masked(z.clone(), mask), None, vocab_start, tile, ignore_index, with_entropy, lead)
+    return m, s, t, picked
+
+
+def _rows(boundary):
+    return None if boundary is None else tuple(b.reshape(-1) for b in boundary)
+
+
+def _sampled_grad(x, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature, softcap, keep,
+                  boundary, logits_dtype=None):
+    """d(loss)/d(x) of the raw logits x (N, V_local) in lse's dtype, with the sampler's processing."""
+    xr = P.rounded(x, logits_dtype)
+    z, y = P.processed(xr, temperature=temperature, softcap=softcap, acc=lse.dtype, logits_dtype=logits_dtype)
+    mask = P.kept(y, vocab_start, None if keep is None else keep.reshape(z.shape), _rows(boundary))
+    n = z.shape[0]
+    lab = None if labels is None else labels.reshape(n, -1)
+    g_lp = None if grad_logprobs is None else grad_logprobs.reshape(n, -1)
+    dz = P.grad_z(z, mask, lab, vocab_start, lse, entropy, g_lp, grad_entropy)
+    return P.chain(dz, xr, temperature=temperature, softcap=softcap, logits_dtype=logits_dtype)
+
+
+def _sampler_given(labels, lead, softcap, keep, boundary, logits_dtype=None, temperature=1.0):
+    """Whether the sampler's path is needed: its options, candidate labels, or a per-row temperature
+    (the plain path divides by a number)."""
+    return (softcap is not None or keep is not None or boundary is not None or logits_dtype is not None
+            or isinstance(temperature, torch.Tensor) or (labels is not None and labels.dim() > len(lead)))
+
+
+def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, softcap=None,
+                keep=None, boundary=None):
+    if _sampler_given(labels, logits.shape[:-1], softcap, keep, boundary, temperature=temperature):
+        x = logits.reshape(-1, logits.shape[-1])
+        return _sampled(x, labels, logits.shape[:-1], vocab_start=vocab_start, tile=tile, temperature=temperature,
+                        ignore_index=ignore_index, with_entropy=with_entropy, softcap=softcap, keep=keep,
+                        boundary=boundary)
     z = logits.reshape(-1, logits.shape[-1]).to(result_dtype(logits.dtype)) / temperature
     return _stats(z, labels, vocab_start, tile, ignore_index, with_entropy, logits.shape[:-1])
 
 
 def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature,
-               inplace_backward):
+               inplace_backward, softcap=None, keep=None, boundary=None):
+    if _sampler_given(labels, logits.shape[:-1], softcap, keep, boundary, temperature=temperature):
+        x = logits.reshape(-1, logits.shape[-1])
+        grad = _sampled_grad(x.to(lse.dtype), labels, lse.reshape(-1),
+                             None if entropy is None else entropy.reshape(-1), grad_logprobs, grad_entropy,
+                             vocab_start=vocab_start, temperature=temperature, softcap=softcap, keep=keep,
+                             boundary=boundary)
+        return grad.to(logits.dtype).view(logits.shape)
     z = logits.reshape(-1, logits.shape[-1]).to(lse.dtype) / temperature
     grad = _dz(z, labels, lse, entropy, grad_logprobs, grad_entropy, vocab_start, temperature)
     return grad.to(logits.dtype).view(logits.shape)  # out of place even with inplace_backward
+
+
+def shard_topk(logits, *, vocab_start, temperature, k, decision, softcap=None, keep=None, boundary=None):
+    x = logits.reshape(-1, logits.shape[-1])
+    return _topk(x, logits.shape[:-1], vocab_start=vocab_start, temperature=temperature, k=k, decision=decision,
+                 softcap=softcap, keep=keep, boundary=boundary)
+
+
+def _topk(x, lead, *, vocab_start, temperature, k, decision, softcap, keep, boundary, logits_dtype=None):
+    """A shard's top-k (values, global ids), largest first, ties by smaller id: of the float32 decision
+    logits y (decision=True: no mask), else of z over the kept tokens."""
+    acc = torch.float64 if x.dtype == torch.float64 else result_dtype(x.dtype)
+    z, y = P.processed(P.rounded(x.to(acc) if logits_dtype is None else x, logits_dtype), temperature=temperature,
+                       softcap=softcap, acc=acc, logits_dtype=logits_dtype)
+    if decision:
+        values = y
+    else:
+        values = P.masked(z.clone(), P.kept(y, vocab_start, None if keep is None else keep.reshape(z.shape),
+                                            _rows(boundary)))
+    top, ids = P.top_list(values, vocab_start, k)
+    return top.view(*lead, k), ids.view(*lead, k)
 
 
 def _hidden_logits(hidden, weight, bias, temperature):
@@ -135,20 +241,46 @@ def _hidden_logits(hidden, weight, bias, temperature):
     return h, torch.nn.functional.linear(h, weight.to(acc), None if bias is None else bias.to(acc)) / temperature
 
 
-def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy):
+def _hidden_raw(hidden, weight, bias):
+    """The raw logits (N, V_local) of a weight shard in the compute dtype, and the rows."""
+    acc = result_dtype(hidden.dtype)
+    h = hidden.reshape(-1, hidden.shape[-1]).to(acc)
+    return h, torch.nn.functional.linear(h, weight.to(acc), None if bias is None else bias.to(acc))
+
+
+def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy,
+                       softcap=None, keep=None, boundary=None, logits_dtype=None):
+    if _sampler_given(labels, hidden.shape[:-1], softcap, keep, boundary, logits_dtype, temperature):
+        _, x = _hidden_raw(hidden, weight, bias)
+        return _sampled(x, labels, hidden.shape[:-1], vocab_start=vocab_start, tile=tile, temperature=temperature,
+                        ignore_index=ignore_index, with_entropy=with_entropy, softcap=softcap, keep=keep,
+                        boundary=boundary, logits_dtype=logits_dtype)
     _, z = _hidden_logits(hidden, weight, bias, temperature)
     return _stats(z, labels, vocab_start, tile, ignore_index, with_entropy, hidden.shape[:-1])
 
 
 def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start,
-                      tile, temperature, needs_grad):
-    h, z = _hidden_logits(hidden, weight, bias, temperature)
-    dz = _dz(z, labels, lse, entropy, grad_logprobs, grad_entropy, vocab_start, temperature)
+                      tile, temperature, needs_grad, softcap=None, keep=None, boundary=None, logits_dtype=None):
+    if _sampler_given(labels, hidden.shape[:-1], softcap, keep, boundary, logits_dtype, temperature):
+        h, x = _hidden_raw(hidden, weight, bias)
+        dz = _sampled_grad(x, labels, lse.reshape(-1), None if entropy is None else entropy.reshape(-1),
+                           grad_logprobs, grad_entropy, vocab_start=vocab_start, temperature=temperature,
+                           softcap=softcap, keep=keep, boundary=boundary, logits_dtype=logits_dtype)
+    else:
+        h, z = _hidden_logits(hidden, weight, bias, temperature)
+        dz = _dz(z, labels, lse, entropy, grad_logprobs, grad_entropy, vocab_start, temperature)
     need_h, need_w, need_b = needs_grad
     gh = (dz @ weight.to(dz.dtype)).view(hidden.shape) if need_h else None
     gw = (dz.t() @ h).to(weight.dtype) if need_w else None
     gb = dz.sum(0).to(bias.dtype) if need_b and bias is not None else None
     return gh, gw, gb
+
+
+def hidden_shard_topk(hidden, weight, *, bias, vocab_start, temperature, k, decision, softcap=None, keep=None,
+                      boundary=None, logits_dtype=None):
+    _, x = _hidden_raw(hidden, weight, bias)
+    return _topk(x, hidden.shape[:-1], vocab_start=vocab_start, temperature=temperature, k=k, decision=decision,
+                 softcap=softcap, keep=keep, boundary=boundary, logits_dtype=logits_dtype)
 
 
 # kl_divergence with process_group=: both sides' shards (logits, or hidden states and a weight shard)
@@ -214,6 +346,8 @@ def register_backends(register):
             "shard_grad": shard_grad,
             "hidden_shard_stats": hidden_shard_stats,
             "hidden_shard_grad": hidden_shard_grad,
+            "shard_topk": shard_topk,
+            "hidden_shard_topk": hidden_shard_topk,
             "kl_shard_stats": kl_shard_stats,
             "kl_shard_grad": kl_shard_grad,
         },
@@ -224,7 +358,7 @@ def register_backends(register):
         batch_invariant=True,
         copies_logits=True,
         features={"functorch", "candidates", "softcap", "top_k", "top_p", "min_p", "keep", "logits_dtype",
-                  "kl_hidden", "kl_support"},
+                  "kl_hidden", "kl_support", "shard_sampler", "per_row", "sampler"},
         description="log_softmax + gather in float32; materialises the logits in float32; every feature, "
                     "as the reference defines it",
     ))

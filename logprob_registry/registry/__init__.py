@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from ..backend import Backend, Degradation, Preparation, Prepared, PrepareError
 from ..environment import Environment, get_environment
-from .dispatch import ENV_VAR, Dispatcher, _forced, caller_fault
+from .dispatch import ENV_VAR, STRICT_VAR, Dispatcher, _forced, _strict, caller_fault, strict_in_force
 from .errors import BackendFallbackWarning, NoEligibleBackendError
 from .explanation import Explanation
 from .key import VOCAB_BUCKETS, Key, vocab_bucket
@@ -21,8 +21,8 @@ from .ranking import Verdict, rank, why_not
 
 __all__ = [
     "BUILTIN_PLUGINS", "ENTRY_POINT_GROUP", "ENV_VAR", "BackendFallbackWarning", "Explanation", "Key",
-    "NoEligibleBackendError", "PluginFailure", "Registry", "VOCAB_BUCKETS", "Verdict", "caller_fault",
-    "default_ranking", "get_registry", "rank", "use_backend", "vocab_bucket", "why_not",
+    "NoEligibleBackendError", "PluginFailure", "Registry", "STRICT_VAR", "VOCAB_BUCKETS", "Verdict", "caller_fault",
+    "default_ranking", "get_registry", "rank", "strict", "strict_in_force", "use_backend", "vocab_bucket", "why_not",
 ]
 
 
@@ -165,7 +165,7 @@ class Registry:
         """The automatic choice for ``key`` (``import logprob_registry`` passes logprobs on the main
         device, float32, no gradients), kept as ``default``, or None. Cheap and never raising."""
         try:
-            self.default = self._dispatcher._automatic(key)
+            self.default = self._dispatcher._automatic(key, strict_in_force())
         except Exception:  # nothing eligible, or a plugin's check failing: explain() says why
             self.default = None
         return self.default
@@ -199,3 +199,24 @@ def use_backend(name: str) -> Iterator[Backend]:
         yield backend
     finally:
         _forced.reset(token)
+
+
+@contextlib.contextmanager
+def strict(enabled: bool = True) -> Iterator[None]:
+    """Strict mode inside the block: no run-time fallback (the backend's error is raised as it is,
+    nothing is marked broken), and the automatic choice only among backends that promise batch
+    invariance and determinism (and group invariance for a ``process_group=`` call's shard ops); an
+    explicit choice of a backend without them raises, naming the promise. For code that needs the
+    same numbers or an error, never another backend's numbers after a failure.
+
+    ``strict(False)`` switches it off inside an outer block or under ``LOGPROB_REGISTRY_STRICT=1``
+    (blocks nest: the innermost decides). Like :func:`use_backend` it is a context variable: it
+    holds in this thread (and asyncio task) and in code it calls, not in threads started inside
+    the block; for the whole process set ``LOGPROB_REGISTRY_STRICT=1``."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"strict(enabled) takes True or False, got {enabled!r}")
+    token = _strict.set(enabled)
+    try:
+        yield
+    finally:
+        _strict.reset(token)

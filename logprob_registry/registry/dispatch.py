@@ -16,6 +16,14 @@ Anything else raised by an automatically chosen backend marks it broken for that
 with the next eligible backend; when no other backend is eligible, the error reaches the caller
 and nothing is marked. ``Registry.reset()`` (``lr.get_registry().reset()``) forgets every
 mark. A failure inside a backward pass cannot be retried: it reaches the caller.
+
+Strict mode (``lr.strict()``, or ``LOGPROB_REGISTRY_STRICT=1`` for the process) trades that
+resilience for reproducibility: the automatic choice takes only backends that promise batch
+invariance and determinism (and group invariance for the shard ops of a ``process_group=`` call),
+ignores broken marks, and never falls back: the backend's error reaches the caller as raised and
+marks nothing. So a strict call runs the backend a fresh process would choose, or fails; it never
+silently continues on another backend whose numbers differ. An explicit choice of a backend
+without those promises raises, naming the promise it lacks.
 """
 
 from __future__ import annotations
@@ -50,6 +58,17 @@ UNTESTED = config.declare(config.Variable(
 ))
 
 _forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("logprob_registry_forced", default=None)
+STRICT_VAR = config.STRICT.name
+_strict_text = config.reader(STRICT_VAR)
+# lr.strict(): True/False in this thread or task, None where no lr.strict() block is open (then the variable decides)
+_strict: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("logprob_registry_strict", default=None)
+
+#: What strict mode asks of a backend: (Backend field, the promise in words), for every op; the shard
+#: ops (those a ``process_group=`` call runs, which no public function dispatches to directly) ask
+#: :data:`GROUP_PROMISE` too.
+STRICT_PROMISES: Tuple[Tuple[str, str], ...] = (
+    ("batch_invariant", "batch invariance"), ("deterministic", "determinism"))
+GROUP_PROMISE: Tuple[str, str] = ("group_invariant", "group invariance")
 
 _OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory", "failed to allocate")
 
@@ -65,6 +84,45 @@ def caller_fault(exc: BaseException) -> Optional[str]:
     if inside_functorch_transform():
         return "inside a torch.func transform"
     return None
+
+
+def strict_in_force() -> bool:
+    """Whether strict mode holds here: the innermost open ``lr.strict()`` block of this thread or
+    task decides, else ``LOGPROB_REGISTRY_STRICT``. Cheap (a context variable and one environment
+    lookup): every call asks it."""
+    on = _strict.get()
+    if on is not None:
+        return on
+    if not _strict_text():  # unset or empty: off, without parsing
+        return False
+    return config.get(STRICT_VAR)
+
+
+def strict_source() -> str:
+    """Where strict mode comes from, for messages (call it when :func:`strict_in_force`)."""
+    if _strict.get() is not None:
+        return "lr.strict()"
+    text = _strict_text() or b""
+    return f"{STRICT_VAR}={(text.decode() if isinstance(text, bytes) else text).strip()}"
+
+
+def missing_promises(backend: Backend, key: Key) -> List[str]:
+    """The promises strict mode needs for ``key`` that ``backend`` does not make, in words."""
+    wanted = STRICT_PROMISES + ((GROUP_PROMISE,) if OPS[key.op].function is None else ())
+    return [words for flag, words in wanted if not getattr(backend, flag)]
+
+
+def strict_verdicts(verdicts: List[Verdict], backends: List[Backend], key: Key) -> List[Verdict]:
+    """``verdicts`` with every backend that could run ``key`` but lacks a promise strict mode needs
+    passed over (``skipped``), saying which: ``explain`` then shows strict mode's verdicts."""
+    by_name = {b.name: b for b in backends}
+    out = []
+    for v in verdicts:
+        missing = missing_promises(by_name[v.name], key) if v.reason is None and v.name in by_name else []
+        if missing:
+            v = dataclasses.replace(v, skipped=f"strict mode: does not promise {' or '.join(missing)}")
+        out.append(v)
+    return out
 
 
 def _stacklevel() -> int:
@@ -84,6 +142,7 @@ class Dispatcher:
         self.ranking = ranking  # the measured ranking source (see Registry), or None: priority decides
         self._lock = threading.RLock()
         self._cache: Dict[Key, Backend] = {}
+        self._strict_cache: Dict[Key, Backend] = {}  # the automatic choices under strict mode
         self._explicit_ok: Dict[Tuple[str, Key], Backend] = {}
         self._broken: Dict[Key, Dict[str, str]] = {}
         self._state: Tuple[Any, int] = (None, -1)  # (environment, plugins.generation) the caches are for
@@ -94,6 +153,7 @@ class Dispatcher:
         if self._state[0] is not env or self._state[1] != self._plugins.generation:
             with self._lock:
                 self._cache.clear()
+                self._strict_cache.clear()
                 self._explicit_ok.clear()
                 names = {b.name for b in self._plugins.backends()}
                 for marks in self._broken.values():  # a removed backend's marks go with it
@@ -106,6 +166,7 @@ class Dispatcher:
         """Forget every cached selection and every broken mark."""
         with self._lock:
             self._cache.clear()
+            self._strict_cache.clear()
             self._explicit_ok.clear()
             self._broken.clear()
 
@@ -132,20 +193,46 @@ class Dispatcher:
             return name, f"{ENV_VAR}={name}"
         return None, ""
 
-    def verdicts(self, key: Key) -> List[Verdict]:
+    def verdicts(self, key: Key, strict: Optional[bool] = None) -> List[Verdict]:
+        """Every backend's verdict for ``key``, best first; under strict mode (``strict``, None: the
+        mode in force) with its verdicts and without broken marks (see the module docstring)."""
+        if strict is None:
+            strict = strict_in_force()
         env = self.env()
         ranking = self.ranking
         measured = ranking.entry(key, env, self._plugins.versions()) if ranking is not None and key.vocab else None
-        return rank(self._plugins.backends(), key, env, self._broken.get(key), config.get(UNTESTED.name), measured)
+        backends = self._plugins.backends()
+        verdicts = rank(backends, key, env, None if strict else self._broken.get(key), config.get(UNTESTED.name),
+                        measured)
+        return strict_verdicts(verdicts, backends, key) if strict else verdicts
 
     def select(self, key: Key, backend: Optional[str] = None) -> Backend:
         """The backend that runs ``key``: the explicit choice if any, else the automatic one."""
+        strict = strict_in_force()
         name, source = self.forced(backend)
         if name is not None:
-            return self._explicit(name, source, key)
-        return self._automatic(key)
+            return self._explicit(name, source, key, strict)
+        return self._automatic(key, strict)
 
-    def _explicit(self, name: str, source: str, key: Key) -> Backend:
+    def _explicit(self, name: str, source: str, key: Key, strict: bool = False) -> Backend:
+        found = self._check_explicit(name, source, key)
+        if strict:
+            missing = missing_promises(found, key)
+            if missing:
+                self._refuse_strict(name, source, key, missing)
+        return found
+
+    def _refuse_strict(self, name: str, source: str, key: Key, missing: List[str]) -> None:
+        """Raise: the explicit choice ``name`` lacks promises strict mode needs for ``key``."""
+        promising = [v.name for v in self.verdicts(key, strict=True) if v.reason is None and v.skipped is None]
+        raise NoEligibleBackendError(
+            f"backend {name!r} (chosen by {source}) cannot run {key.describe()} in strict mode "
+            f"({strict_source()}): it does not promise {' or '.join(missing)}. Backends that can run it and "
+            f"make strict mode's promises here: {', '.join(promising) or 'none'}; choose one of them, or leave "
+            f"strict mode (lr.strict(False), or unset {STRICT_VAR}) to run {name!r}."
+        )
+
+    def _check_explicit(self, name: str, source: str, key: Key) -> Backend:
         env = self.env()
         found = self._explicit_ok.get((name, key))
         if found is not None:
@@ -153,7 +240,7 @@ class Dispatcher:
         chosen = self._plugins.get(name)
         reason, transient = why_not(chosen, key, env, config.get(UNTESTED.name))
         if reason is not None:
-            eligible = [v.name for v in self.verdicts(key) if v.reason is None]
+            eligible = [v.name for v in self.verdicts(key, strict=False) if v.reason is None]
             raise NoEligibleBackendError(
                 f"backend {name!r} (chosen by {source}) cannot run {key.describe()}: {reason}. "
                 f"Eligible here: {', '.join(eligible) or 'none'}; choose one of them, or drop the "
@@ -164,15 +251,23 @@ class Dispatcher:
                 self._explicit_ok[(name, key)] = chosen
         return chosen
 
-    def _automatic(self, key: Key) -> Backend:
+    def _automatic(self, key: Key, strict: bool = False) -> Backend:
         self.env()
-        found = self._cache.get(key)
+        cache = self._strict_cache if strict else self._cache
+        found = cache.get(key)
         if found is not None:
             return found
         state = self._state
-        verdicts = self.verdicts(key)
+        verdicts = self.verdicts(key, strict)
         name = automatic(verdicts)
         if name is None:
+            if strict:
+                raise NoEligibleBackendError(
+                    f"no registered backend can run {key.describe()} in strict mode ({strict_source()}): none "
+                    "that can run it promises batch invariance and determinism"
+                    + (" and group invariance" if OPS[key.op].function is None else "")
+                    + f"; register one that does, or leave strict mode (lr.strict(False), or unset {STRICT_VAR})."
+                    f"\n{self.explain(key, strict)}")
             raise NoEligibleBackendError(f"no registered backend can run {key.describe()}.\n{self.explain(key)}")
         found = self._plugins.get(name)
         ahead = verdicts[: [v.name for v in verdicts].index(name)]
@@ -180,15 +275,19 @@ class Dispatcher:
             with self._lock:
                 # not if, meanwhile, another thread marked it broken or the plugins changed: the
                 # verdicts read before that would cache a stale choice for good
-                if self._state is state and found.name not in self._broken.get(key, {}):
-                    self._cache[key] = found
+                if self._state is state and (strict or found.name not in self._broken.get(key, {})):
+                    cache[key] = found
         return found
 
-    def explain(self, key: Key) -> Explanation:
-        verdicts = self.verdicts(key)
+    def explain(self, key: Key, strict: Optional[bool] = None) -> Explanation:
+        if strict is None:
+            strict = strict_in_force()
+        verdicts = self.verdicts(key, strict)
         forced, source = self.forced()
         if forced is not None:
-            chosen = forced if any(v.name == forced and v.reason is None for v in verdicts) else None
+            able = any(v.name == forced and v.reason is None for v in verdicts)
+            # under strict mode an explicit choice lacking a promise raises: then nothing is chosen
+            chosen = forced if able and not (strict and missing_promises(self._plugins.get(forced), key)) else None
         else:
             chosen = automatic(verdicts)
         marked = [dataclasses.replace(v, chosen=v.name == chosen) for v in verdicts]
@@ -196,15 +295,19 @@ class Dispatcher:
         degraded = tuple(d for d in self._plugins.degradations()
                          if d.backend in listed and d.concerns(key.device, key.dtype))
         return Explanation(key, marked, chosen, f"{forced} ({source})" if forced else None,
-                           tuple(self._plugins.failures()), degraded)
+                           tuple(self._plugins.failures()), degraded, strict_source() if strict else None)
 
     # ------------------------------------------------------------ dispatch
     def call(self, key: Key, backend: Optional[str], args: tuple, options: Mapping[str, Any]) -> Any:
         """Run ``key.op`` through the selected backend, falling back if an automatic choice fails."""
         spec = OPS[key.op]
+        strict = strict_in_force()
         name, source = self.forced(backend)
         if name is not None:
-            chosen = self._explicit(name, source, key)
+            chosen = self._explicit(name, source, key, strict)
+            return chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
+        if strict:  # no fallback: the backend's error reaches the caller as raised, and marks nothing
+            chosen = self._automatic(key, True)
             return chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
         while True:
             chosen = self._automatic(key)
@@ -225,8 +328,8 @@ class Dispatcher:
                 warnings.warn(
                     f"logprob_registry: backend {chosen.name!r} failed for {key.describe()} "
                     f"({error_line(exc)}); using {replacement.name!r} instead for the rest of this process. "
-                    f"Force a backend with {ENV_VAR} or use_backend() to make such failures raise; "
-                    "lr.get_registry().reset() forgets the failure.",
+                    f"Force a backend with {ENV_VAR} or use_backend(), or use lr.strict(), to make such "
+                    "failures raise; lr.get_registry().reset() forgets the failure.",
                     BackendFallbackWarning,
                     stacklevel=_stacklevel(),
                 )

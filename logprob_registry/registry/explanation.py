@@ -24,7 +24,8 @@ class Explanation:
     """The answer of :func:`logprob_registry.explain`; ``str()`` renders it as a table.
 
     ``degradations``: what the backends in the table report running below their best in this
-    process for calls like this one (``Backend.degradations``)."""
+    process for calls like this one (``Backend.degradations``). ``strict``: where strict mode
+    comes from when it is in force (``"lr.strict()"``), its verdicts then in the table."""
 
     key: "Key"
     candidates: Sequence[Verdict]
@@ -32,6 +33,7 @@ class Explanation:
     forced: Optional[str] = None  # "name (source)" when an explicit choice is in force
     failures: Sequence[PluginFailure] = field(default_factory=tuple)
     degradations: Sequence["Degradation"] = field(default_factory=tuple)
+    strict: Optional[str] = None
 
     @property
     def eligible(self) -> List[str]:
@@ -48,6 +50,8 @@ class Explanation:
         head += f"using {self.chosen}" if self.chosen else "no eligible backend"
         if self.forced:
             head += f" (forced: {self.forced})"
+        if self.strict:
+            head += f" (strict mode: {self.strict})"
         timed = any(c.measured is not None for c in self.candidates)
         rows = [
             (c.status, c.name, str(c.priority))

@@ -162,21 +162,21 @@ def _sampler_run(logits, labels, **options):
 
 
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward, **sampler):
-    if _sampler.used(sampler) or labels.dim() == logits.dim():
+    if _sampler.used(sampler, temperature) or labels.dim() == logits.dim():
         return _sampler_run(logits, labels, temperature=temperature, ignore_index=ignore_index,
                             inplace_backward=inplace_backward, **sampler)
     return _run(logits, labels, temperature, ignore_index, inplace_backward, True, False)
 
 
 def entropy(logits, *, temperature, **sampler):
-    if _sampler.used(sampler):
+    if _sampler.used(sampler, temperature):
         return _sampler_run(logits, None, temperature=temperature, want_logprobs=False, want_entropy=True,
                             **sampler)
     return _run(logits, None, temperature, None, False, False, True)
 
 
 def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward, **sampler):
-    if _sampler.used(sampler) or labels.dim() == logits.dim():
+    if _sampler.used(sampler, temperature) or labels.dim() == logits.dim():
         return _sampler_run(logits, labels, temperature=temperature, ignore_index=ignore_index,
                             inplace_backward=inplace_backward, want_entropy=True, **sampler)
     return _run(logits, labels, temperature, ignore_index, inplace_backward, True, True)
@@ -188,7 +188,7 @@ def topk_logprobs(logits, *, k, temperature, **sampler):
 
 def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy,
                          chunk_bytes=None, **sampler):
-    if _sampler.used(sampler) or labels.dim() == hidden.dim():
+    if _sampler.used(sampler, temperature) or labels.dim() == hidden.dim():
         return _sampler.logprobs_from_hidden(
             hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
             return_entropy=return_entropy, budget=workspace_bytes(), chunk_bytes=chunk_bytes, **sampler)
@@ -206,15 +206,21 @@ def kl_divergence(student, teacher, *, direction, temperature, mask, tail, stude
                              budget=budget, fixed=student.device.type not in ROW_WISE_DEVICES)
 
 
-def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy):
+def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, **sampler):
     return _shards.shard_stats(logits, labels, vocab_start=vocab_start, tile=tile, temperature=temperature,
-                               ignore_index=ignore_index, with_entropy=with_entropy, budget=workspace_bytes())
+                               ignore_index=ignore_index, with_entropy=with_entropy, budget=workspace_bytes(),
+                               **sampler)
 
 
 def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature,
-               inplace_backward):
+               inplace_backward, **sampler):
     return _shards.shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, vocab_start=vocab_start,
-                              temperature=temperature, inplace_backward=inplace_backward, budget=workspace_bytes())
+                              temperature=temperature, inplace_backward=inplace_backward, budget=workspace_bytes(),
+                              **sampler)
+
+
+def shard_topk(logits, **options):
+    return _shards.shard_topk(logits, budget=workspace_bytes(), **options)
 
 
 @lr.hookimpl
@@ -232,6 +238,8 @@ def register_backends(register):
             "shard_grad": shard_grad,
             "hidden_shard_stats": _shards.hidden_shard_stats,
             "hidden_shard_grad": _shards.hidden_shard_grad,
+            "shard_topk": shard_topk,
+            "hidden_shard_topk": _shards.hidden_shard_topk,
             "kl_shard_stats": _kl_shards.kl_shard_stats,
             "kl_shard_grad": _kl_shards.kl_shard_grad,
         },
@@ -245,7 +253,7 @@ def register_backends(register):
         batch_invariant=True,
         deterministic=True,
         features={"candidates", "softcap", "top_k", "top_p", "min_p", "keep", "logits_dtype", "kl_hidden",
-                  "kl_support"},
+                  "kl_support", "shard_sampler", "per_row", "sampler"},
         group_invariant=True,
         memory="two fp32 chunk buffers within the workspace budget (8 MiB by default) and a few "
                "floats per row; backward: the gradient, none with inplace_backward",

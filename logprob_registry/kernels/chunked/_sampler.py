@@ -49,7 +49,9 @@ BYTES_PER_ELEMENT = {"truncate": 48, "plain": 24}
 
 @dataclass
 class Plan:
-    """What one call computes (validated options) and how it is cut."""
+    """What one call computes (validated options) and how it is cut. ``temperature``, ``top_k``,
+    ``top_p`` and ``min_p`` are numbers, or per row flat tensors ``(N,)`` (:func:`row_values`
+    gives a chunk's)."""
 
     temperature: float
     softcap: Optional[float]
@@ -64,6 +66,7 @@ class Plan:
     fixed_shape: bool             # chunks padded to ``rows`` rows (accelerators)
     cdt: torch.dtype              # compute dtype
     logits_dtype: Optional[torch.dtype] = None  # the fused op's: the softcap runs in it
+    order: Optional[str] = None   # sampler=: None (vLLM's order), "hf" or "sglang"
 
     @property
     def boundary(self) -> bool:
@@ -94,12 +97,14 @@ def rows_per_chunk(vocab: int, truncates: bool, budget: int) -> int:
 
 def make_plan(logits_shape, dtype: torch.dtype, device: torch.device, budget: int, *, temperature, softcap,
               top_k, top_p, min_p, keep, topk=None, want_logprobs=True, want_entropy=False,
-              fixed_shape=False) -> Plan:
+              fixed_shape=False, sampler=None) -> Plan:
     vocab = logits_shape[-1]
     if keep is not None:
         keep = keep.reshape(-1, keep.shape[-1])
+    temperature, top_k, top_p, min_p = (v.reshape(-1) if isinstance(v, torch.Tensor) else v
+                                        for v in (temperature, top_k, top_p, min_p))
     plan = Plan(temperature, softcap, top_k, top_p, min_p, keep, topk, want_logprobs, want_entropy, 1,
-                fixed_shape, result_dtype(dtype))
+                fixed_shape, result_dtype(dtype), order=sampler)
     plan.rows = rows_per_chunk(vocab, plan.truncates, budget)
     return plan
 
@@ -110,6 +115,29 @@ def _pad(t: torch.Tensor, rows: int, value=0) -> torch.Tensor:
     if short <= 0:
         return t
     return torch.cat([t, t.new_full((short,) + tuple(t.shape[1:]), value)])
+
+
+#: A padding row's per-row values: temperature 1, every truncation off.
+NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+
+
+def row_values(plan: Plan, name: str, sl: slice, rows: int):
+    """``plan``'s ``name`` for flat rows ``sl`` padded to ``rows`` rows: a number as is, per-row
+    values as a tensor ``(rows,)`` (padding rows neutral, :data:`NEUTRAL`)."""
+    value = getattr(plan, name)
+    if not isinstance(value, torch.Tensor):
+        return value
+    return _pad(value[sl], rows, NEUTRAL[name])
+
+
+def _divide_(t: torch.Tensor, temperature) -> torch.Tensor:
+    """``t /= temperature`` (in place): a number as a 0-d tensor of ``t``'s dtype, per-row values
+    as a column; both a true division, so a row divides alike either way."""
+    if isinstance(temperature, torch.Tensor):
+        return t.div_(temperature.to(t.dtype).unsqueeze(-1))
+    if temperature == 1.0:
+        return t
+    return t.div_(torch.tensor(temperature, dtype=t.dtype, device=t.device))
 
 
 def _engine_round_(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -137,12 +165,13 @@ def _softcap_in_dtype(src: torch.Tensor, plan: Plan, want_grad: bool):
     return s, d
 
 
-def _processed(src: torch.Tensor, plan: Plan, want_grad: bool = False):
-    """``(z, y32, d)`` of rows ``src``: the processed logits in the compute dtype (a buffer of
-    their own), the float32 decision logits (``z`` itself when that is float32) and, if asked
-    (and softcapped), the float64 derivative of the softcap. The same arithmetic as
-    :func:`reference.processed_logits`."""
+def _processed(src: torch.Tensor, plan: Plan, want_grad: bool = False, sl: slice = slice(None)):
+    """``(z, y32, d)`` of rows ``src`` (flat rows ``sl``, padded as ``src`` is): the processed logits
+    in the compute dtype (a buffer of their own), the float32 decision logits (``z`` itself when
+    that is float32) and, if asked (and softcapped), the float64 derivative of the softcap. The same
+    arithmetic as :func:`reference.processed_logits`."""
     cdt = plan.cdt
+    temperature = row_values(plan, "temperature", sl, src.shape[0])
     cap = d = None
     if plan.softcap is not None and plan.logits_dtype is not None:
         z, d = _softcap_in_dtype(src, plan, want_grad)
@@ -159,11 +188,8 @@ def _processed(src: torch.Tensor, plan: Plan, want_grad: bool = False):
         z = torch.empty(src.shape, dtype=cdt, device=src.device).copy_(s)
     y32 = None
     if plan.truncates and cdt != torch.float32:
-        y32 = torch.empty(src.shape, dtype=torch.float32, device=src.device).copy_(s)
-        if plan.temperature != 1.0:
-            y32.div_(torch.tensor(plan.temperature, dtype=torch.float32, device=src.device))
-    if plan.temperature != 1.0:
-        z.div_(torch.tensor(plan.temperature, dtype=cdt, device=src.device))
+        y32 = _divide_(torch.empty(src.shape, dtype=torch.float32, device=src.device).copy_(s), temperature)
+    _divide_(z, temperature)
     if y32 is None and plan.truncates:
         y32 = z
     if cap is not None and want_grad:  # d softcap(x) / dx = 1 - tanh(x / cap)**2, 0 at -inf
@@ -200,13 +226,14 @@ def _kept(y32, plan: Plan, stats: Stats, sl: slice, v0: int = 0, decide: bool = 
     boundary = None
     if plan.boundary:
         if decide:
-            t, j = ref.truncation_boundary(y32, top_k=plan.top_k, top_p=plan.top_p, min_p=plan.min_p)
+            top_k, top_p, min_p = (row_values(plan, name, sl, rows) for name in ("top_k", "top_p", "min_p"))
+            t, j = ref.truncation_boundary(y32, top_k=top_k, top_p=top_p, min_p=min_p, order=plan.order)
             stats.t[sl], stats.j[sl] = t[:r], j[:r]
         else:
             t, j = _pad(stats.t[sl], rows, float("inf")), _pad(stats.j[sl], rows)
         boundary = (t, j)
     keep = _keep_tile(plan, sl, rows, v0, v0 + y32.shape[1])
-    return ref.kept_from_boundary(y32, boundary, keep, first_id=v0)
+    return ref.kept_from_boundary(y32, boundary, keep, first_id=v0, order=plan.order)
 
 
 def _row_reduce(op, t: torch.Tensor) -> torch.Tensor:
@@ -224,7 +251,7 @@ def forward_rows(src: torch.Tensor, sl: slice, plan: Plan, stats: Stats, index: 
     r = src.shape[0]
     if plan.fixed_shape:
         src = _pad(src, plan.rows)
-    z, y32, _ = _processed(src, plan)
+    z, y32, _ = _processed(src, plan, sl=sl)
     kept = _kept(y32, plan, stats, sl, decide=True)
     del y32
     empty = None
@@ -279,7 +306,7 @@ def backward_tile(src: torch.Tensor, sl: slice, v0: int, plan: Plan, stats: Stat
     rows = plan.rows if plan.fixed_shape else r
     if plan.fixed_shape:
         src = _pad(src, rows)
-    z, y32, dcap = _processed(src, plan, want_grad=True)
+    z, y32, dcap = _processed(src, plan, want_grad=True, sl=sl)
     kept = _kept(y32, plan, stats, sl, v0)
     del y32
     m, log_s = _pad(stats.m[sl], rows), _pad(stats.log_s[sl], rows)
@@ -312,8 +339,7 @@ def backward_tile(src: torch.Tensor, sl: slice, v0: int, plan: Plan, stats: Stat
     del q, logq, z
     if g is not None:
         dz.scatter_add_(1, local, g)
-    if plan.temperature != 1.0:
-        dz.div_(plan.temperature)
+    _divide_(dz, row_values(plan, "temperature", sl, rows))
     if dcap is not None:
         dz.mul_(dcap)
     return dz[:r]
@@ -409,12 +435,18 @@ class _SamplerFunction(torch.autograd.Function):
 
 def run(logits, labels, *, temperature, ignore_index=None, inplace_backward=False, want_logprobs=True,
         want_entropy=False, topk=None, budget: int, fixed_shape: bool, softcap=None, top_k=None, top_p=None,
-        min_p=None, keep=None):
+        min_p=None, keep=None, sampler=None):
     """The logits ops: ``logprobs`` / ``entropy`` / ``logprobs_and_entropy`` / ``topk_logprobs``."""
     lead = logits.shape[:-1]
+    if topk is None and softcap is None and keep is None and (labels is None or labels.dim() < logits.dim()):
+        plain = _plain_rows(lead.numel(), logits.shape[-1], temperature, top_k, top_p, min_p)
+        if plain is not None:
+            return _split_logits(logits, labels, plain, temperature=temperature, ignore_index=ignore_index,
+                                 want_logprobs=want_logprobs, want_entropy=want_entropy, budget=budget,
+                                 fixed_shape=fixed_shape, top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler)
     plan = make_plan(logits.shape, logits.dtype, logits.device, budget, temperature=temperature, softcap=softcap,
                      top_k=top_k, top_p=top_p, min_p=min_p, keep=keep, topk=topk, want_logprobs=want_logprobs,
-                     want_entropy=want_entropy, fixed_shape=fixed_shape)
+                     want_entropy=want_entropy, fixed_shape=fixed_shape, sampler=sampler)
     index = valid = None
     label_shape = None
     if labels is not None and want_logprobs:
@@ -438,6 +470,88 @@ def run(logits, labels, *, temperature, ignore_index=None, inplace_backward=Fals
     if want_entropy:
         outs.append(ent.view(lead))
     return tuple(outs) if len(outs) > 1 else outs[0]
+
+
+# ------------------------------------------------------------------------------- per-row values
+# A row whose values switch every truncation off is, as a call with numbers, not a sampler call at
+# all: the plain chunked code computes it (its own online log-sum-exp). So that such a row of a
+# per-row call is bitwise that call, those rows go to the plain code, one call per distinct
+# temperature; the other rows stay here, their values per row (vectorised).
+def _per_row(*values) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in values)
+
+
+def _plain_rows(n: int, vocab: int, temperature, top_k, top_p, min_p) -> Optional[torch.Tensor]:
+    """The bool mask ``(n,)`` of the rows of a per-row call whose truncations are all off (None
+    when the call has no per-row value or no such row: nothing to split)."""
+    if not _per_row(temperature, top_k, top_p, min_p) or n == 0:
+        return None
+    plain = None
+    for value, off in ((top_k, None), (top_p, 1.0), (min_p, 0.0)):
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            return None  # a number in use: every row truncates
+        flat = value.reshape(-1)
+        row_off = ((flat <= 0) | (flat >= vocab)) if off is None else flat == off
+        plain = row_off if plain is None else plain & row_off
+    if plain is None:
+        return torch.ones(n, dtype=torch.bool, device=temperature.device)
+    return plain if bool(plain.any()) else None
+
+
+def _groups(plain: torch.Tensor, temperature):
+    """``[(rows, temperature as a number)]`` for the plain rows, one entry per distinct value, and
+    the other rows (int64 indices)."""
+    rows = plain.nonzero().squeeze(1)
+    rest = (~plain).nonzero().squeeze(1)
+    if not isinstance(temperature, torch.Tensor):
+        return [(rows, temperature)], rest
+    values = temperature.reshape(-1)[rows]
+    return [(rows[values == t], float(t)) for t in torch.unique(values).tolist()], rest
+
+
+def _take(value, rows):
+    return value.reshape(-1)[rows] if isinstance(value, torch.Tensor) else value
+
+
+def _assemble(n: int, parts, lead, like: torch.Tensor):
+    """The outputs of every group ``[(rows, outputs tuple)]`` put back in row order (differentiable)."""
+    outs = []
+    for k in range(len(parts[0][1])):
+        full = None
+        for rows, out in parts:
+            piece = out[k].reshape(rows.shape[0])
+            full = piece.new_zeros(n) if full is None else full
+            full = full.index_copy(0, rows, piece)
+        outs.append(full.view(lead))
+    return tuple(outs)
+
+
+def _split_logits(logits, labels, plain, *, temperature, ignore_index, want_logprobs, want_entropy, budget,
+                  fixed_shape, top_k, top_p, min_p, sampler):
+    from logprob_registry.kernels import chunked  # the backend's ops, as a call with numbers runs them
+
+    vocab, lead = logits.shape[-1], logits.shape[:-1]
+    flat = logits.reshape(-1, vocab)
+    flat_labels = None if labels is None else labels.reshape(-1)
+    groups, rest = _groups(plain, temperature)
+    parts = []
+    for rows, t in groups:
+        if not want_logprobs:
+            out = chunked.entropy(flat[rows], temperature=t)
+        else:
+            op = chunked.logprobs_and_entropy if want_entropy else chunked.logprobs
+            out = op(flat[rows], flat_labels[rows], temperature=t, ignore_index=ignore_index, inplace_backward=False)
+        parts.append((rows, out if isinstance(out, tuple) else (out,)))
+    if rest.numel():
+        y = None if flat_labels is None else flat_labels[rest]
+        out = run(flat[rest], y, temperature=_take(temperature, rest), ignore_index=ignore_index,
+                  want_logprobs=want_logprobs, want_entropy=want_entropy, budget=budget, fixed_shape=fixed_shape,
+                  top_k=_take(top_k, rest), top_p=_take(top_p, rest), min_p=_take(min_p, rest), sampler=sampler)
+        parts.append((rest, out if isinstance(out, tuple) else (out,)))
+    outs = _assemble(flat.shape[0], parts, lead, logits)
+    return outs if len(outs) > 1 else outs[0]
 
 
 # --------------------------------------------------------------------------------------- fused op
@@ -529,11 +643,17 @@ def _fused_backward(hidden, weight, bias, plan: Plan, stats: Stats, index, valid
 
 def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy, budget: int,
                          chunk_bytes: Optional[int] = None, softcap=None, top_k=None, top_p=None, min_p=None,
-                         keep=None, logits_dtype=None):
+                         keep=None, logits_dtype=None, sampler=None):
     """The fused op with the sampler's processing, candidates or ``logits_dtype``: the logits of a
     block of rows are formed whole (every vocabulary block), processed as the logits ops process a
     chunk, and reduced; backward goes tile by tile."""
     lead, hdim = hidden.shape[:-1], hidden.shape[-1]
+    if softcap is None and keep is None and logits_dtype is None and labels.dim() < hidden.dim():
+        plain = _plain_rows(lead.numel(), weight.shape[0], temperature, top_k, top_p, min_p)
+        if plain is not None:
+            return _split_hidden(hidden, weight, labels, plain, bias=bias, temperature=temperature,
+                                 ignore_index=ignore_index, return_entropy=return_entropy, budget=budget,
+                                 chunk_bytes=chunk_bytes, top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler)
     flat = hidden.reshape(-1, hdim)
     n, v = flat.shape[0], weight.shape[0]
     candidates = labels.dim() == hidden.dim()
@@ -543,7 +663,7 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
         valid = index != ignore_index
         index = index.masked_fill(~valid, 0)
     plan = make_plan((n, v), hidden.dtype, hidden.device, budget, temperature=temperature, softcap=softcap,
-                     top_k=top_k, top_p=top_p, min_p=min_p, keep=keep, want_entropy=return_entropy)
+                     top_k=top_k, top_p=top_p, min_p=min_p, keep=keep, want_entropy=return_entropy, sampler=sampler)
     plan.logits_dtype = logits_dtype
     plan.rows = max(plan.rows, min(n, MIN_GEMM_ROWS)) if n else 1
     tiles = _hidden.plan(n, v, hdim, hidden.dtype, _hidden.resolve_chunk_bytes(hidden.device, chunk_bytes))
@@ -557,10 +677,35 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
     return (lp, ent.view(lead)) if return_entropy else lp
 
 
-def used(keywords) -> bool:
+def _split_hidden(hidden, weight, labels, plain, *, bias, temperature, ignore_index, return_entropy, budget,
+                  chunk_bytes, top_k, top_p, min_p, sampler):
+    """:func:`logprobs_from_hidden` of a per-row call with plain rows (see :func:`_plain_rows`)."""
+    from logprob_registry.kernels import chunked  # the backend's op, as a call with numbers runs it
+
+    lead = hidden.shape[:-1]
+    flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    groups, rest = _groups(plain, temperature)
+    parts = []
+    for rows, t in groups:
+        out = chunked.logprobs_from_hidden(flat[rows], weight, flat_labels[rows], bias=bias, temperature=t,
+                                           ignore_index=ignore_index, return_entropy=return_entropy,
+                                           chunk_bytes=chunk_bytes)
+        parts.append((rows, out if isinstance(out, tuple) else (out,)))
+    if rest.numel():
+        out = logprobs_from_hidden(flat[rest], weight, flat_labels[rest], bias=bias,
+                                   temperature=_take(temperature, rest), ignore_index=ignore_index,
+                                   return_entropy=return_entropy, budget=budget, chunk_bytes=chunk_bytes,
+                                   top_k=_take(top_k, rest), top_p=_take(top_p, rest), min_p=_take(min_p, rest),
+                                   sampler=sampler)
+        parts.append((rest, out if isinstance(out, tuple) else (out,)))
+    outs = _assemble(flat.shape[0], parts, lead, hidden)
+    return outs if len(outs) > 1 else outs[0]
+
+
+def used(keywords, temperature=1.0) -> bool:
     """Whether a call's sampler keywords (and ``logits_dtype``) use anything of this module (else the
-    plain chunked code runs, unchanged)."""
-    return Sampler.in_use(keywords) or keywords.get("logits_dtype") is not None
+    plain chunked code runs, unchanged); a per-row ``temperature`` comes here too."""
+    return Sampler.in_use(keywords) or keywords.get("logits_dtype") is not None or isinstance(temperature, torch.Tensor)
 
 
 __all__ = ["BYTES_PER_ELEMENT", "Plan", "Stats", "backward_tile", "forward_rows", "logprobs_from_hidden",

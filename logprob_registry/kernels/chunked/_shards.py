@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
+from logprob_registry.distributed import processing as P
 from logprob_registry.kit import (
     MIN_GEMM_ROWS,
     add_matmul,
@@ -57,9 +58,14 @@ def _load(scratch: torch.Tensor, chunk: torch.Tensor, temperature: float) -> tor
 
 
 def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, budget: int,
-                stats_fn: Optional[TileStats] = None):
+                stats_fn: Optional[TileStats] = None, softcap=None, keep=None, boundary=None):
     """Per-tile ``(m, s, t)`` of the shard and the label logits (see the op table), a chunk of rows
-    at a time in a workspace of about ``budget`` bytes."""
+    at a time in a workspace of about ``budget`` bytes; with the sampler's options (feature
+    ``shard_sampler``) or candidate labels, :func:`sampled_shard_stats`."""
+    if sampler_given(labels, logits.shape[:-1], softcap, keep, boundary, temperature=temperature):
+        return sampled_shard_stats(logits, labels, vocab_start=vocab_start, tile=tile, temperature=temperature,
+                                   ignore_index=ignore_index, with_entropy=with_entropy, softcap=softcap,
+                                   keep=keep, boundary=boundary, budget=budget, stats_fn=stats_fn)
     stats_fn = stats_fn or tile_stats_
     acc = result_dtype(logits.dtype)
     lead, width = logits.shape[:-1], logits.shape[-1]
@@ -125,8 +131,13 @@ def _add_at_labels(grad: torch.Tensor, owned: torch.Tensor, column: torch.Tensor
 
 
 def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature,
-               inplace_backward, budget: int):
+               inplace_backward, budget: int, softcap=None, keep=None, boundary=None):
     """The shard's gradient, a chunk of rows at a time; over the logits' storage when asked."""
+    if sampler_given(labels, logits.shape[:-1], softcap, keep, boundary, temperature=temperature):
+        return sampled_shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy,
+                                  vocab_start=vocab_start, temperature=temperature,
+                                  inplace_backward=inplace_backward, softcap=softcap, keep=keep, boundary=boundary,
+                                  budget=budget)
     acc = lse.dtype
     width = logits.shape[-1]
     lse, n = lse.reshape(-1), lse.numel()
@@ -183,10 +194,16 @@ def _hidden_rows(hidden: torch.Tensor, acc: torch.dtype, budget: int, tile: int)
 
 
 def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy,
-                       budget: Optional[int] = None, stats_fn: Optional[TileStats] = None):
+                       budget: Optional[int] = None, stats_fn: Optional[TileStats] = None, softcap=None, keep=None,
+                       boundary=None, logits_dtype=None):
     """Per-tile statistics of ``hidden @ weight.T + bias`` for a weight shard, one tile of logits at a time
     (``budget``: bytes of a tile of logits, default :func:`._hidden.resolve_chunk_bytes`; ``stats_fn``:
     a backend's own tile statistics, as ``compiled`` and ``triton`` pass)."""
+    if sampler_given(labels, hidden.shape[:-1], softcap, keep, boundary, logits_dtype, temperature):
+        return sampled_hidden_shard_stats(hidden, weight, labels, bias=bias, vocab_start=vocab_start, tile=tile,
+                                          temperature=temperature, ignore_index=ignore_index,
+                                          with_entropy=with_entropy, softcap=softcap, keep=keep, boundary=boundary,
+                                          logits_dtype=logits_dtype, budget=budget, stats_fn=stats_fn)
     stats_fn = stats_fn or tile_stats_
     budget = budget or resolve_chunk_bytes(hidden.device)
     acc = result_dtype(hidden.dtype)
@@ -219,10 +236,16 @@ def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, tempe
 
 
 def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start,
-                      tile, temperature, needs_grad, budget: Optional[int] = None):
+                      tile, temperature, needs_grad, budget: Optional[int] = None, softcap=None, keep=None,
+                      boundary=None, logits_dtype=None):
     """This shard's share of the hidden gradient (compute dtype), and the weight and bias shards'
     gradients (their dtypes), recomputing one tile of logits at a time (``budget`` as in
     :func:`hidden_shard_stats`)."""
+    if sampler_given(labels, hidden.shape[:-1], softcap, keep, boundary, logits_dtype, temperature):
+        return sampled_hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy,
+                                         bias=bias, vocab_start=vocab_start, tile=tile, temperature=temperature,
+                                         needs_grad=needs_grad, softcap=softcap, keep=keep, boundary=boundary,
+                                         logits_dtype=logits_dtype, budget=budget)
     budget = budget or resolve_chunk_bytes(hidden.device)
     acc = lse.dtype
     need_h, need_w, need_b = needs_grad
@@ -264,3 +287,267 @@ def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_
         if need_b:
             gb[c0:c1].copy_(gb_j)
     return None if gh is None else gh.view(hidden.shape), gw, gb
+
+
+# ------------------------------------------------- the sampler's processing (feature shard_sampler)
+# The same steps as naive's (logprob_registry.distributed.processing), a chunk of rows (or, for the
+# fused op, one tile of logits) at a time; the tile statistics by tile_stats_, so that they stay
+# bitwise independent of the shard boundaries.
+def sampler_given(labels, lead, softcap, keep, boundary, logits_dtype=None, temperature=1.0) -> bool:
+    """Whether the sampler's path is needed: its options, candidate labels, or a per-row temperature
+    (the plain path divides by a number)."""
+    return (softcap is not None or keep is not None or boundary is not None or logits_dtype is not None
+            or isinstance(temperature, torch.Tensor) or (labels is not None and labels.dim() > len(lead)))
+
+
+def _temperature_rows(temperature, sl):
+    """A per-row temperature's flat rows ``sl`` (the block's own divisors); a number as is."""
+    return temperature.reshape(-1)[sl] if isinstance(temperature, torch.Tensor) else temperature
+
+
+def _flat_keep(keep, n):
+    return None if keep is None else keep.reshape(n, -1)
+
+
+def _flat_boundary(boundary):
+    return None if boundary is None else tuple(b.reshape(-1) for b in boundary)
+
+
+def _part(boundary, sl):
+    return None if boundary is None else tuple(b[sl] for b in boundary)
+
+
+def _processed_block(x, first_id, temperature, softcap, keep, boundary, acc, logits_dtype=None):
+    """``(xr, z, kept)`` of a block of raw logits ``x`` (rows, columns) whose column 0 is ``first_id``."""
+    xr = P.rounded(x.to(acc), logits_dtype)
+    z, y = P.processed(xr, temperature=temperature, softcap=softcap, acc=acc, logits_dtype=logits_dtype)
+    if z is xr:
+        z = z.clone()
+    return xr, z, P.kept(y, first_id, keep, boundary)
+
+
+def sampled_shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, softcap,
+                        keep, boundary, budget: int, stats_fn: Optional[TileStats] = None):
+    stats_fn = stats_fn or tile_stats_
+    acc = result_dtype(logits.dtype)
+    lead, width = logits.shape[:-1], logits.shape[-1]
+    n, nt = labels_rows(lead), n_tiles(width, tile)
+    dev = logits.device
+    m = torch.empty(n, nt, dtype=acc, device=dev)
+    s = torch.empty(n, nt, dtype=acc, device=dev)
+    t = torch.empty(n, nt, dtype=acc, device=dev) if with_entropy else None
+    lab = None if labels is None else labels.reshape(n, -1)
+    picked = None if labels is None else torch.zeros(lab.shape, dtype=acc, device=dev)
+    keep, boundary = _flat_keep(keep, n), _flat_boundary(boundary)
+    rows = _rows_per_chunk(nt * tile, acc, budget)
+    for start, chunk in chunks(logits, rows):
+        r = chunk.shape[0]
+        sl = slice(start, start + r)
+        _, z, kept = _processed_block(chunk, vocab_start, _temperature_rows(temperature, sl), softcap,
+                                      None if keep is None else keep[sl],
+                                      _part(boundary, sl), acc)
+        if picked is not None:
+            owned, value = P.label_values(z, kept, lab[sl], vocab_start, ignore_index)
+            picked[sl] = torch.where(owned, value, 0.0)
+        P.masked(z, kept)
+        if nt * tile != width:
+            z = torch.nn.functional.pad(z, (0, nt * tile - width), value=float("-inf"))
+        cm, cs, ct = stats_fn(z.view(r, nt, tile), with_entropy)
+        m[sl], s[sl] = cm, cs
+        if t is not None:
+            t[sl] = ct
+    tiles = tuple(lead) + (nt,)
+    return (m.view(tiles), s.view(tiles), None if t is None else t.view(tiles),
+            None if picked is None else picked.view(labels.shape))
+
+
+def sampled_shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature,
+                       inplace_backward, softcap, keep, boundary, budget: int):
+    acc = lse.dtype
+    width = logits.shape[-1]
+    n = lse.numel()
+    lse = lse.reshape(-1)
+    entropy = None if entropy is None else entropy.reshape(-1)
+    lab = None if labels is None else labels.reshape(n, -1)
+    g_lp = None if grad_logprobs is None else grad_logprobs.reshape(n, -1)
+    g_ent = None if grad_entropy is None else grad_entropy.reshape(-1)
+    keep, boundary = _flat_keep(keep, n), _flat_boundary(boundary)
+    inplace = inplace_backward and not overlapping(logits)
+    out = logits.detach() if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    if n == 0:
+        return out
+    rows = _rows_per_chunk(width, acc, budget)
+    flat_out = None if inplace else out.view(-1, width)
+    for start, chunk in chunks(out if inplace else logits, rows):
+        r = chunk.shape[0]
+        sl = slice(start, start + r)
+        xr, z, kept = _processed_block(chunk, vocab_start, _temperature_rows(temperature, sl), softcap,
+                                       None if keep is None else keep[sl], _part(boundary, sl), acc)
+        dz = P.grad_z(z, kept, None if lab is None else lab[sl], vocab_start, lse[sl],
+                      None if entropy is None else entropy[sl], None if g_lp is None else g_lp[sl],
+                      None if g_ent is None else g_ent[sl])
+        grad = P.chain(dz, xr, temperature=_temperature_rows(temperature, sl), softcap=softcap)
+        (chunk if inplace else flat_out[sl]).copy_(grad)
+    if inplace and hasattr(torch.autograd.graph, "increment_version"):
+        torch.autograd.graph.increment_version(logits)
+    return out
+
+
+def shard_topk(logits, *, vocab_start, temperature, k, decision, softcap=None, keep=None, boundary=None,
+               budget: int):
+    """A shard's top-k (values, global ids), a chunk of rows at a time (see the op table)."""
+    acc = result_dtype(logits.dtype)
+    lead, width = logits.shape[:-1], logits.shape[-1]
+    n = labels_rows(lead)
+    keep, boundary = _flat_keep(keep, n), _flat_boundary(boundary)
+    values = torch.empty(n, k, dtype=torch.float32 if decision else acc, device=logits.device)
+    ids = torch.empty(n, k, dtype=torch.int64, device=logits.device)
+    rows = _rows_per_chunk(width, acc, budget)
+    for start, chunk in chunks(logits, rows):
+        sl = slice(start, start + chunk.shape[0])
+        xr = chunk.to(acc)
+        z, y = P.processed(xr, temperature=_temperature_rows(temperature, sl), softcap=softcap, acc=acc)
+        if decision:
+            ranked = y
+        else:
+            ranked = P.masked(z.clone(), P.kept(y, vocab_start, None if keep is None else keep[sl],
+                                                _part(boundary, sl)))
+        values[sl], ids[sl] = P.top_list(ranked, vocab_start, k)
+    return values.view(*lead, k), ids.view(*lead, k)
+
+
+def _tile_raw(h, w, b, width):
+    """``h @ w.T + b`` for a block of rows (no temperature), in the compute dtype, ``width`` columns."""
+    return _tile_logits(h, w, b, 1.0, width)
+
+
+def sampled_hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index,
+                               with_entropy, softcap, keep, boundary, logits_dtype, budget: Optional[int] = None,
+                               stats_fn: Optional[TileStats] = None):
+    """hidden_shard_stats with the sampler's processing, one tile of logits at a time."""
+    stats_fn = stats_fn or tile_stats_
+    budget = budget or resolve_chunk_bytes(hidden.device)
+    acc = result_dtype(hidden.dtype)
+    lead, hdim = hidden.shape[:-1], hidden.shape[-1]
+    h = hidden.reshape(-1, hdim)
+    n, width = h.shape[0], weight.shape[0]
+    nt = n_tiles(width, tile)
+    dev = hidden.device
+    m = torch.empty(n, nt, dtype=acc, device=dev)
+    s = torch.empty(n, nt, dtype=acc, device=dev)
+    t = torch.empty(n, nt, dtype=acc, device=dev) if with_entropy else None
+    lab = labels.reshape(n, -1)
+    picked = torch.zeros(lab.shape, dtype=acc, device=dev)
+    keep, boundary = _flat_keep(keep, n), _flat_boundary(boundary)
+    rows = _hidden_rows(h, acc, budget, tile)
+    for j in range(nt):
+        c0, c1 = j * tile, min(width, (j + 1) * tile)
+        w, b = _weight_tile(weight, bias, c0, c1, acc)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            x = _tile_raw(h[r0:r1].to(acc), w, b, c1 - c0)
+            _, z, kept = _processed_block(x, vocab_start + c0, _temperature_rows(temperature, slice(r0, r1)), softcap,
+                                          None if keep is None else keep[r0:r1, c0:c1],
+                                          _part(boundary, slice(r0, r1)), acc, logits_dtype)
+            owned, value = P.label_values(z, kept, lab[r0:r1], vocab_start + c0, ignore_index)
+            picked[r0:r1] = torch.where(owned, value, picked[r0:r1])
+            P.masked(z, kept)
+            if c1 - c0 < tile:
+                z = torch.nn.functional.pad(z, (0, tile - (c1 - c0)), value=float("-inf"))
+            cm, cs, ct = stats_fn(z.view(r1 - r0, 1, tile), with_entropy)
+            m[r0:r1, j], s[r0:r1, j] = cm[:, 0], cs[:, 0]
+            if t is not None:
+                t[r0:r1, j] = ct[:, 0]
+    tiles = tuple(lead) + (nt,)
+    return m.view(tiles), s.view(tiles), None if t is None else t.view(tiles), picked.view(labels.shape)
+
+
+def sampled_hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias,
+                              vocab_start, tile, temperature, needs_grad, softcap, keep, boundary, logits_dtype,
+                              budget: Optional[int] = None):
+    budget = budget or resolve_chunk_bytes(hidden.device)
+    acc = lse.dtype
+    need_h, need_w, need_b = needs_grad
+    need_b = need_b and bias is not None
+    hdim = hidden.shape[-1]
+    h = hidden.reshape(-1, hdim)
+    n, width = h.shape[0], weight.shape[0]
+    dev = hidden.device
+    lse = lse.reshape(-1)
+    entropy = None if entropy is None else entropy.reshape(-1)
+    lab = labels.reshape(n, -1)
+    g_lp = None if grad_logprobs is None else grad_logprobs.reshape(n, -1)
+    g_ent = None if grad_entropy is None else grad_entropy.reshape(-1)
+    keep, boundary = _flat_keep(keep, n), _flat_boundary(boundary)
+    gh = torch.zeros(n, hdim, dtype=acc, device=dev) if need_h else None
+    gw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_w else None
+    gb = torch.empty(bias.shape, dtype=bias.dtype, device=dev) if need_b else None
+    rows = _hidden_rows(h, acc, budget, tile)
+    for j in range(n_tiles(width, tile)):
+        c0, c1 = j * tile, min(width, (j + 1) * tile)
+        w, b = _weight_tile(weight, bias, c0, c1, acc)
+        gw_j = torch.zeros(c1 - c0, hdim, dtype=acc, device=dev) if need_w else None
+        gb_j = torch.zeros(c1 - c0, dtype=acc, device=dev) if need_b else None
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            hb = h[r0:r1].to(acc)
+            x = _tile_raw(hb, w, b, c1 - c0)
+            xr, z, kept = _processed_block(x, vocab_start + c0, _temperature_rows(temperature, slice(r0, r1)),
+                                           softcap,
+                                           None if keep is None else keep[r0:r1, c0:c1],
+                                           _part(boundary, slice(r0, r1)), acc, logits_dtype)
+            dz = P.grad_z(z, kept, lab[r0:r1], vocab_start + c0, lse[r0:r1],
+                          None if entropy is None else entropy[r0:r1], None if g_lp is None else g_lp[r0:r1],
+                          None if g_ent is None else g_ent[r0:r1])
+            dz = P.chain(dz, xr, temperature=_temperature_rows(temperature, slice(r0, r1)), softcap=softcap,
+                         logits_dtype=logits_dtype)
+            if need_h:
+                add_matmul(gh[r0:r1], dz, w)
+            if need_w:
+                gw_j.addmm_(pad_rows(dz).t(), pad_rows(hb))
+            if need_b:
+                gb_j += pad_rows(dz).sum(0)
+        if need_w:
+            gw[c0:c1].copy_(gw_j)
+        if need_b:
+            gb[c0:c1].copy_(gb_j)
+    return None if gh is None else gh.view(hidden.shape), gw, gb
+
+
+def hidden_shard_topk(hidden, weight, *, bias, vocab_start, temperature, k, decision, softcap=None, keep=None,
+                      boundary=None, logits_dtype=None, budget: Optional[int] = None):
+    """A weight shard's top-k (values, global ids), one tile of logits at a time: each tile's own
+    top-k, concatenated in vocabulary order, then merged (:func:`~logprob_registry.distributed.
+    processing.merge_lists`)."""
+    budget = budget or resolve_chunk_bytes(hidden.device)
+    acc = result_dtype(hidden.dtype)
+    lead, hdim = hidden.shape[:-1], hidden.shape[-1]
+    h = hidden.reshape(-1, hdim)
+    n, width = h.shape[0], weight.shape[0]
+    keep, boundary = _flat_keep(keep, n), _flat_boundary(boundary)
+    rows = _hidden_rows(h, acc, budget, 4096)
+    parts_v, parts_i = [], []
+    tile = 4096
+    for j in range(n_tiles(width, tile)):
+        c0, c1 = j * tile, min(width, (j + 1) * tile)
+        w, b = _weight_tile(weight, bias, c0, c1, acc)
+        vs, is_ = [], []
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            x = _tile_raw(h[r0:r1].to(acc), w, b, c1 - c0)
+            xr = P.rounded(x, logits_dtype)
+            z, y = P.processed(xr, temperature=_temperature_rows(temperature, slice(r0, r1)), softcap=softcap,
+                               acc=acc, logits_dtype=logits_dtype)
+            ranked = y if decision else P.masked(z.clone(), P.kept(
+                y, vocab_start + c0, None if keep is None else keep[r0:r1, c0:c1], _part(boundary, slice(r0, r1))))
+            v, i = P.top_list(ranked, vocab_start + c0, min(k, c1 - c0))
+            vs.append(v)
+            is_.append(i)
+        parts_v.append(torch.cat(vs))
+        parts_i.append(torch.cat(is_))
+    values, ids = torch.cat(parts_v, 1), torch.cat(parts_i, 1)
+    if values.shape[1] < k:
+        values = torch.cat([values, values.new_full((n, k - values.shape[1]), float("-inf"))], 1)
+        ids = torch.cat([ids, ids.new_full((n, k - ids.shape[1]), P.PAD_ID)], 1)
+    values, ids = P.merge_lists(values, ids, k)
+    return values.view(*lead, k), ids.view(*lead, k)

@@ -40,6 +40,8 @@ from . import _distributed_cases as dc
 from ._coverage import covers
 
 SHARD_OPS = ("shard_stats", "shard_grad", "hidden_shard_stats", "hidden_shard_grad")
+#: The shard ops of the sampler's keywords (feature shard_sampler): the test_distributed_sampler test.
+SAMPLER_SHARD_OPS = SHARD_OPS + ("shard_topk", "hidden_shard_topk")
 KL_SHARD_OPS = dc.KL_SHARD_OPS  # kl_shard_stats, kl_shard_grad: the test_distributed_kl_* tests
 #: Seconds before a spawned group counts as hung (its processes are then killed). Generous: a
 #: cold torch.compile cache makes the compiled backend's ranks compile for a minute.
@@ -80,7 +82,7 @@ def _spawned(lp: Harness, kl: bool = False) -> List[dict]:
 
         names = tuple(c.name for c in _selected(lp))
         try:
-            ranks = launch.run(dc.WORLD, dc.rank_program, lp.name, str(lp.device), names,
+            ranks = launch.run(dc.WORLD, dc.rank_program, lp.name, str(lp.device), names, _sampler_names(lp),
                                timeout=GROUP_TIMEOUT, collective_timeout=COLLECTIVE_TIMEOUT)
             _results[key] = [r.unwrap() for r in ranks]
         except Exception as exc:
@@ -89,6 +91,14 @@ def _spawned(lp: Harness, kl: bool = False) -> List[dict]:
     if isinstance(found, Exception):
         raise AssertionError(f"the spawned group of {dc.WORLD} failed for {lp.name}: {found}") from found
     return found
+
+
+def _sampler_names(lp: Harness) -> Tuple[str, ...]:
+    """The sampler cases ``lp``'s backend runs in the same spawned group: every one where it declares
+    ``shard_sampler`` and implements the shard ops (of the dtypes it accepts)."""
+    if "shard_sampler" not in lp.backend.features or not all(lp.backend.supports(op) for op in SAMPLER_SHARD_OPS):
+        return ()
+    return tuple(name for name, case in dc.sampler_cases().items() if case["dtype"] in lp.backend.dtypes)
 
 
 def _groups(kind: str) -> List[Tuple[int, ...]]:
@@ -116,6 +126,20 @@ class DistributedSection:
         unsharded call; the complete hidden gradient is the same on every rank of a group;
         ``inplace_backward`` writes the shard's gradient over it where the backend declares it."""
         _check_gradients(lp, kl=False)
+
+    @covers(SAMPLER_SHARD_OPS, grad=True, features=("shard_sampler",))
+    def test_distributed_sampler(self, lp: Harness) -> None:
+        """The sampler's keywords with process_group= (softcap, keep mask and ids, top_k, candidate
+        labels, logits_dtype; float32 and bfloat16) in groups of 1, 2 and 4: every rank's outputs the
+        same bits and within the contract of float64 (-inf exactly at the labels outside the kept
+        set), shard gradients those of the unsharded call sliced, bitwise across group sizes for a
+        backend declaring group_invariant; bad sampler input raises on every rank."""
+        names = _sampler_names(lp)
+        if not names:
+            pytest.skip(f"{lp.name} does not declare shard_sampler (or lacks shard_topk / hidden_shard_topk)")
+        ranks = _spawned(lp)
+        problems = dc.sampler_problems([r["sampler"] for r in ranks], names, lp.backend.group_invariant)
+        assert not problems, "\n".join(problems[:20])
 
     @covers(KL_SHARD_OPS, grad=True)
     def test_distributed_kl_results_on_every_rank(self, lp: Harness) -> None:

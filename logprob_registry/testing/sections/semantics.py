@@ -153,6 +153,41 @@ def _check_hidden(lp: Harness, what: str, y: torch.Tensor, grad: bool, dtype=tor
                                 f"{rel:.2g} x the sum of absolute terms)")
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit pattern (-0.0 is not 0.0; a NaN equals the same NaN)."""
+    width = {torch.float32: torch.int32, torch.float64: torch.int64}.get(t.dtype)
+    return t.contiguous().view(width) if width is not None else t
+
+
+def _per_row_values(lp: Harness, shape=SHAPE[:-1], seed: int = 6) -> dict:
+    """Random per-position temperature, top_k, top_p and min_p; each truncation off somewhere."""
+    g = torch.Generator().manual_seed(seed)
+    temperature = torch.rand(shape, generator=g) + 0.5
+    top_k = torch.randint(1, 80, shape, generator=g)
+    top_p = torch.rand(shape, generator=g) * 0.5 + 0.5
+    min_p = torch.rand(shape, generator=g) * 0.1
+    top_k[0, 0], top_p[0, 0], min_p[0, 0] = 0, 1.0, 0.0  # every truncation off: the plain computation
+    top_k[1, :2], top_p[2, 3:], min_p[0, 1:3] = 0, 1.0, 0.0
+    return {k: v.to(lp.device) for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p,
+                                                 min_p=min_p).items()}
+
+
+def _order_logits(lp: Harness) -> torch.Tensor:
+    """Logits (3, 5, V) on which vLLM's, transformers' and SGLang's orders keep different tokens:
+    probabilities (after temperature 0.8) of about 0.5, 0.35 and 0.06 over a thin tail of 0.09
+    (with min_p=0.1 and top_p=0.93 vLLM drops the 0.06 token, transformers keeps it), every other
+    row random; one row with 25 tokens tied at the top (top_k=20: SGLang keeps 20 of them)."""
+    g = torch.Generator().manual_seed(8)
+    rows = SHAPE[0] * SHAPE[1]
+    head = torch.tensor([0.5, 0.35, 0.06]) * (1 + 0.05 * torch.rand(rows, 3, generator=g))
+    tail = torch.rand(rows, V - 3, generator=g) + 0.5
+    x = 0.8 * torch.cat([head, 0.09 * tail / tail.sum(-1, keepdim=True)], -1).log()
+    x[1::2] = torch.randn(rows // 2, V, generator=g) * 3
+    x = x[:, torch.randperm(V, generator=g)]
+    x[4, :25] = 9.0
+    return x.view(SHAPE).to(lp.device)
+
+
 # ------------------------------------------------------------------------------------ the section
 class SemanticsSection:
     """The sampler's processing, candidates, topk and ``logits_dtype`` (docs/sampler.md)."""
@@ -372,6 +407,71 @@ class SemanticsSection:
         lp.require(TOPK, grad=True, vocab=300)
         x = lp.logits((3, 4, 300))
         _compare_gradients(lp, TOPK, x, None, "topk k=6", k=6, temperature=TEMPERATURE)
+
+    # ------------------------------------------------------------ per-row values and engines' orders
+    @covers(LOGITS_OPS + (TOPK,), features=("per_row", "top_k", "top_p", "min_p"))
+    @pytest.mark.parametrize("op", LOGITS_OPS + (TOPK,))
+    def test_per_row_values(self, lp: Harness, op: str) -> None:
+        """``temperature``, ``top_k``, ``top_p`` and ``min_p`` per position (some positions off):
+        the reference's values, and each position's result bitwise that of the call with its
+        values as numbers."""
+        lp.require(op, features=("per_row", "top_k", "top_p", "min_p"), vocab=V)
+        x = lp.logits(SHAPE, scale=4.0)
+        y = _labels(lp, x)
+        kw = _per_row_values(lp)
+        got = lp.call(op, x, y, **(dict(k=4) if op == TOPK else {}), **kw)
+        want = lp.reference(op, x, y, **(dict(k=4) if op == TOPK else {}), **kw)
+        tols = tolerances("logprobs" if op == TOPK else op, x, float(kw["temperature"].min()))
+        for i, (g, w, tol) in enumerate(zip(got[:1] if op == TOPK else got, want, tols)):
+            assert_close(g, w, tol, f"per-row values: {op} output {i}")
+        for pos in [(0, 0), (0, 1), (1, 2), (2, 4), (2, 3)]:
+            one = {name: value[pos].item() for name, value in kw.items()}
+            row = lp.call(op, x[pos][None], y[pos][None], **(dict(k=4) if op == TOPK else {}), **one)
+            for i, (a, b) in enumerate(zip(got, row)):
+                assert torch.equal(_bits(a[pos][None]), _bits(b)), \
+                    f"{op} output {i} at position {pos} differs from the call with that position's values {one}"
+
+    @covers(LOGITS_OPS + (HIDDEN,), features=("per_row",))
+    @pytest.mark.parametrize("op", LOGITS_OPS + (HIDDEN,))
+    def test_per_row_temperature(self, lp: Harness, op: str) -> None:
+        """A temperature per sequence ``(B, 1)``, nothing truncated (an RL trainer's call): the
+        reference's values, and each sequence bitwise the call with its temperature as a number."""
+        lp.require(op, features=("per_row",), vocab=V)
+        t = torch.tensor([[0.6], [1.0], [1.3]], device=lp.device)
+        if op == HIDDEN:
+            h, w, b = _hidden_inputs(lp, vocab=V)
+            h = torch.cat([h, h[:1]])  # 3 sequences
+            y = lp.labels(h.shape[:-1], V)
+            t = t[:3]
+            got = lp.call_hidden(h, w, y, bias=b, return_entropy=True, temperature=t)
+            rows = [lp.call_hidden(h[i], w, y[i], bias=b, return_entropy=True, temperature=float(t[i, 0]))
+                    for i in range(3)]
+        else:
+            x = lp.logits(SHAPE)
+            y = _labels(lp, x)
+            got = lp.call(op, x, y, temperature=t)
+            want = lp.reference(op, x, y, temperature=t)
+            for i, (g, w_, tol) in enumerate(zip(got, want, tolerances(op, x, 0.6))):
+                assert_close(g, w_, tol, f"per-sequence temperature: {op} output {i}")
+            rows = [lp.call(op, x[i], y[i], temperature=float(t[i, 0])) for i in range(3)]
+        for i, row in enumerate(rows):
+            for k, (a, b_) in enumerate(zip(got, row)):
+                assert torch.equal(_bits(a[i]), _bits(b_)), f"{op} output {k}: sequence {i} differs from its own call"
+
+    @covers(LOGITS_OPS, features=("sampler", "top_k", "top_p", "min_p"))
+    @pytest.mark.parametrize("order", ["hf", "sglang"])
+    @pytest.mark.parametrize("op", LOGITS_OPS)
+    def test_sampler_orders(self, lp: Harness, op: str, order: str) -> None:
+        """``sampler="hf"`` (transformers: top_k, top_p, then min_p on what is left) and
+        ``"sglang"`` (every filter on the full distribution, exactly k by position) on rows where
+        the engines' orders keep different tokens; a tie at the k-th value in one row."""
+        lp.require(op, features=("sampler", "top_k", "top_p", "min_p"), vocab=V)
+        x = _order_logits(lp)
+        y = _labels(lp, x)
+        kw = dict(temperature=0.8, top_k=20, top_p=0.93, min_p=0.1)
+        _compare(lp, op, x, y, f"sampler={order!r}", sampler=order, **kw)
+        vllm = ref.kept_tokens(x.cpu(), **kw)
+        assert not torch.equal(vllm, ref.kept_tokens(x.cpu(), sampler=order, **kw)), "the case does not separate orders"
 
     # ------------------------------------------------------------ no keyword, no change
     @covers(LOGITS_OPS + (HIDDEN,))
