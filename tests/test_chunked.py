@@ -338,3 +338,24 @@ def test_improbable_labels_stay_accurate():
     assert got[2].item() == -math.inf
     finite = [0, 1, 3]
     assert (got[finite].double() - want[finite]).abs().max().item() <= tolerance(logits)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_backward_never_reads_chunks_of_ignored_rows(small_workspace, inplace):
+    """A chunk whose rows are all ignored (a GRPO batch's prompt) gets zeros without its logits being
+    read: NaN logits there (read, they would give NaN * 0 = NaN) give exact zeros; the active rows'
+    gradients are bitwise those of a call with the active rows alone."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 50, generator=g)
+    labels = torch.randint(0, 50, (8,), generator=g)
+    labels[:4] = -100
+    logits[:4] = math.nan
+    leaf = logits.clone().requires_grad_(True)
+    out = lr.logprobs_from_logits(leaf, labels, ignore_index=-100, backend="chunked", inplace_backward=inplace)
+    out.sum().backward()
+    assert torch.equal(leaf.grad[:4], torch.zeros(4, 50))
+    alone = logits[4:].clone().requires_grad_(True)
+    lr.logprobs_from_logits(alone, labels[4:], ignore_index=-100, backend="chunked").sum().backward()
+    assert torch.equal(leaf.grad[4:], alone.grad)
+    assert torch.equal(out[:4], torch.zeros(4)) and torch.equal(out[4:], lr.logprobs_from_logits(
+        logits[4:], labels[4:], backend="chunked"))

@@ -255,9 +255,13 @@ def backward(
     rows = plan.rows_per_chunk if plan.fixed_shape else min(plan.rows_per_chunk, n)
     ws = _Workspace(rows, vocab, cdt, logits.device, plan.fixed_shape)
     flat_out = None if inplace else out.view(-1, vocab)
+    live = _live_rows(grad_logprobs, plan.rows_per_chunk) if b is None else None
     for start, chunk in chunks(out if inplace else logits, plan.rows_per_chunk):
         r = chunk.shape[0]
         dest = chunk if inplace else flat_out[start:start + r]
+        if live is not None and not bool(live[start:start + r].any()):  # all ignored: zeros, logits unread
+            dest.zero_()
+            continue
         y = ws.load(chunk, plan.temperature)
         p = torch.softmax(y, -1, out=ws.p[: y.shape[0]])
         p_rows = p[:r]
@@ -281,6 +285,14 @@ def backward(
         else:
             dest.copy_(p_rows.addcmul_(z, b[sl].unsqueeze(-1)))
     return out
+
+
+def _live_rows(grad: torch.Tensor, rows: int) -> Optional[torch.Tensor]:
+    """On the CPU, whether each row's upstream gradient ``grad`` is nonzero; a chunk with none live
+    (its rows all ignored, or given a zero upstream gradient: a GRPO batch's prompt rows) gets zeros
+    without its logits being read or their softmax taken. None (no check) when one chunk holds every
+    row. One device synchronisation for the whole backward."""
+    return None if grad.shape[0] <= rows else (grad != 0).cpu()
 
 
 def _pad(v: torch.Tensor, rows: int) -> torch.Tensor:
