@@ -18,6 +18,7 @@ are not. Importing this module is cheap: it needs torch only (never Triton, neve
   ground truth in its result dtype;
 - batch-invariant matmuls: :data:`MIN_GEMM_ROWS`, :func:`pad_rows`, :func:`add_matmul`;
 - ignored rows: :func:`on_active_rows` (a per-row op run on the rows whose label is not ignored);
+- CUDA graphs: :func:`capturing` (no host reads of device values while a graph is captured);
 - the tile protocol of the shard ops (``shard_stats``, ``shard_grad``, ...): :data:`TILE`,
   :func:`n_tiles`, :func:`tiled`, :func:`tile_stats_`, :func:`tree_sum`, :func:`tree_sum_`,
   :func:`label_columns`, :func:`next_power_of_two`.
@@ -46,6 +47,7 @@ from .distributed.tiles import (
 from .dtypes import FLOAT_DTYPES, dtype_name, result_dtype
 from .opspec import logits_op
 from .sampler import Sampler
+from .validation import capturing
 
 #: Fewer token rows than this are padded with zero rows before a matmul: the CPU matmul takes
 #: another path for a handful of rows, which would make a row's result depend on its batch.
@@ -80,8 +82,9 @@ def on_active_rows(run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], hi
     In RL steps most rows are often prompt tokens with ignored labels: here they cost neither
     matmul nor softmax, forward or backward, and their gradient is zero (autograd of the row
     selection). A row's result is bitwise what it is among all rows wherever the backend's results
-    are batch invariant. Costs one device synchronisation (the number of active rows)."""
-    if ignore_index is None:
+    are batch invariant. Costs one device synchronisation (the number of active rows); none, and
+    None, while a CUDA graph is captured (:func:`capturing`)."""
+    if ignore_index is None or capturing(labels):
         return None
     active = (labels != ignore_index).nonzero().squeeze(1)
     if active.numel() == labels.shape[0]:
@@ -200,6 +203,7 @@ __all__ = [
     "autocast_enabled",
     "autocast_off",
     "backward_without_autocast",
+    "capturing",
     "dtype_name",
     "first_order_only",
     "label_columns",

@@ -31,11 +31,20 @@ def traced() -> bool:
     return bool(check()) if check is not None else False
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream while ``t`` lives on CUDA: then
+    nothing may read device values on the host (``.item()``, ``nonzero()``, ``.cpu()``, a shape that
+    depends on values), since the capture would fail; checks are skipped and kernels take their
+    fixed-shape path. Exported as ``kit.capturing``."""
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def values_visible(t: torch.Tensor) -> bool:
     """Whether checks may read ``t``'s values on the host: not while torch.compile traces (the
     check would break the graph; the call's eager body checks them at run time, see
-    :mod:`logprob_registry.traced`), not for a vmap-batched tensor (data-dependent control flow)."""
-    if traced():
+    :mod:`logprob_registry.traced`), not while a CUDA graph is captured (:func:`capturing`), not
+    for a vmap-batched tensor (data-dependent control flow)."""
+    if traced() or capturing(t):
         return False
     try:
         return not torch._C._functorch.is_batchedtensor(t)

@@ -27,7 +27,6 @@ import os
 import sys
 import tempfile
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -38,24 +37,12 @@ from logprob_registry.distributed.merge import merge
 from logprob_registry.distributed.tiles import TILE
 from logprob_registry.numerics import tolerance
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_proof import RESULTS, attempt, record  # noqa: E402 - this folder's sibling script
+
 V = 37 * TILE
 N = 256
-RESULTS: list = []
 DEV = torch.device("cuda")  # --device cpu: a dry run of this script with gloo (small sizes)
-
-
-def record(name: str, ok: bool, **details) -> None:
-    RESULTS.append(dict(check=name, ok=bool(ok), **details))
-    extra = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in details.items())
-    print(f"{'PASS' if ok else 'FAIL'} {name} {extra}", flush=True)
-
-
-def attempt(name, fn):
-    try:
-        fn()
-    except Exception as exc:  # one check's failure must not hide the others
-        record(name, False, error=f"{type(exc).__name__}: {exc}"[:300])
-        traceback.print_exc()
 
 
 def logits_case(backend: str, dtype: torch.dtype, group) -> None:

@@ -28,6 +28,24 @@ def fake_env():
     environment.set_environment(None)
 
 
+@pytest.fixture
+def plug():
+    """``plug(plugin, name)`` adds a plugin to the process-wide registry for the test and returns
+    the registry; every plugin added is removed afterwards (the last added first)."""
+    from logprob_registry.registry import get_registry
+
+    reg, names = get_registry(), []
+
+    def add(plugin, name):
+        reg.add_plugin(plugin, name=name)
+        names.append(name)
+        return reg
+
+    yield add
+    for name in reversed(names):
+        reg.remove_plugin(name)
+
+
 # --------------------------------------------------------------------------------------------
 # This project's own run of the conformance suite (tests/test_conformance.py) covers every
 # eligible backend. Tests of an op or promise a backend does not declare are deselected here,

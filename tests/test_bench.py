@@ -520,3 +520,43 @@ def test_torch_linear_cross_entropy_rows_for_the_fused_op():
     for name in ("torch-lce", "torch-lce-chunked"):
         (got,) = workload.method(s, name)(ex.inputs)
         assert got.shape == (2, 5) and (got.double() - want).abs().max() < 1e-5, name
+
+
+def test_percent_of_peak_bandwidth_on_an_accelerator(monkeypatch):
+    """On a GPU the table gains '% of peak', the achieved GB/s against the memory bandwidth read from
+    the device's name (or given with --peak-bandwidth); on the CPU, or for an unknown name, it is absent."""
+    from logprob_registry.benchmark import Session
+    from logprob_registry.benchmark import render as rd
+    from logprob_registry.registry.explanation import Explanation
+
+    assert rd.peak_bandwidth("NVIDIA H200") == 4.8e12 and rd.peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert rd.peak_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert rd.peak_bandwidth("NVIDIA A100-SXM4-80GB") == 2.039e12 and rd.peak_bandwidth("NVIDIA A100 80GB PCIe") == 1.935e12
+    assert rd.peak_bandwidth("NVIDIA GH200 480GB") is None and rd.peak_bandwidth("Some GPU") is None
+    with pytest.raises(BenchError, match="--peak-bandwidth must be a positive number of GB/s"):
+        Options(peak_bandwidth=-1.0).check()
+
+    def fake_run_setting(s, found, plugins, timeout, progress, rounds):
+        return [dict(measure.EMPTY, name=n, kind="backend", status="ok", error=None, automatic_choice=False,
+                     time_median_s=t, time_iqr_s=0.0, bandwidth_bytes_per_s=b, peak_bytes=1, max_abs_diff=0.0)
+                for n, t, b in (("fast", 1e-3, 2.4e12), ("slow", 2e-3, 1.2e12))]
+
+    monkeypatch.setattr(measure, "run_setting", fake_run_setting)
+    explanation = Explanation(key=None, candidates=[], chosen="fast")
+    tables = {}
+    for device, name, given in (("cuda", "NVIDIA H200", None), ("cuda", "Some GPU", 2400.0), ("cuda", "Some GPU", None),
+                                ("cpu", None, 2400.0)):
+        session = Session(Options(device=device, peak_bandwidth=given))
+        session.device_name = name
+        session.plan = [(st.Setting(op="logprobs", device=device, dtype="float32", shape=(2, 3, 40)), [], explanation)]
+        doc = session.run()
+        tables[(name, given)] = (doc["runs"][0], rd.render(doc))
+    run, table = tables[("NVIDIA H200", None)]
+    assert [r["bandwidth_fraction"] for r in run["results"]] == [0.5, 0.25]
+    assert "% of peak" in table and " 50% " in table and " 25% " in table
+    assert "of the device's memory bandwidth, 4800 GB/s (the datasheet of NVIDIA H200)" in table
+    run, table = tables[("Some GPU", 2400.0)]
+    assert [r["bandwidth_fraction"] for r in run["results"]] == [1.0, 0.5] and "2400 GB/s (--peak-bandwidth)" in table
+    for key in (("Some GPU", None), (None, 2400.0)):
+        run, table = tables[key]
+        assert "% of peak" not in table and "bandwidth_fraction" not in run["results"][0]

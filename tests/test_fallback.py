@@ -29,12 +29,9 @@ class Flaky:
 
 
 @pytest.fixture
-def flaky():
+def flaky(plug):
     calls.clear()
-    reg = lr.get_registry()
-    reg.add_plugin(Flaky(), name="test-flaky-plugin")
-    yield reg
-    reg.remove_plugin("test-flaky-plugin")
+    return plug(Flaky(), "test-flaky-plugin")
 
 
 def inputs():

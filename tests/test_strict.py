@@ -49,22 +49,17 @@ class Unpromised:
 
 
 @pytest.fixture
-def flaky():
+def flaky(plug):
     raised.clear()
-    reg = lr.get_registry()
-    reg.add_plugin(Flaky(), name="test-strict-flaky-plugin")
+    reg = plug(Flaky(), "test-strict-flaky-plugin")
     yield reg
-    reg.remove_plugin("test-strict-flaky-plugin")
-    reg.reset()
+    reg.reset()  # its broken marks and cached selections go too (plug then removes the plugin)
 
 
 @pytest.fixture
-def unpromised():
+def unpromised(plug):
     ran.clear()
-    reg = lr.get_registry()
-    reg.add_plugin(Unpromised(), name="test-unpromised-plugin")
-    yield reg
-    reg.remove_plugin("test-unpromised-plugin")
+    return plug(Unpromised(), "test-unpromised-plugin")
 
 
 def inputs():

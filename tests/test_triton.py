@@ -395,6 +395,49 @@ if INTERPRETED:
             alone = K.logprobs_and_entropy(logits[i:], labels[i:], 0.9, None, False)
             assert torch.equal(alone[0][0], one[0][i]) and torch.equal(alone[1][0], one[1][i])
 
+    def _wide(rows, vocab, stride, seed):
+        """bf16 logits (rows, vocab) whose row r starts at element r * stride of one allocation that is
+        never written elsewhere (its untouched pages take address space, not memory): with a stride of
+        2**30 the third row starts at element 2**31 (byte 2**32), past what an int32 offset reaches."""
+        base = torch.empty(stride * (rows - 1) + vocab, dtype=torch.bfloat16)
+        wide = base.as_strided((rows, vocab), (stride, 1))
+        logits, _ = _inputs((rows,), vocab, torch.bfloat16, seed=seed)
+        wide.copy_(logits)
+        return wide
+
+    @pytest.mark.parametrize("stride", [2**30, 2**31 + 64])  # a stride in int32 times a row; one past it
+    @pytest.mark.parametrize("chunk", [256, None])  # the vocabulary split (with the combine kernel), or not
+    def test_offsets_past_int32(stride, chunk):
+        """Row offsets beyond 2**31 elements (trl #7266's kernel overflowed there): every kernel
+        (forward, combine, backward out of place and over the logits, the shard tile statistics)
+        gives the bits of the same rows laid out contiguously; the labels sit in the last column."""
+        K.TUNING.update(chunk=chunk)
+        rows, vocab = (3 if stride < 2**31 else 2), 1000
+        wide = _wide(rows, vocab, stride, seed=17)
+        dense = wide.contiguous()
+        labels = torch.full((rows,), vocab - 1)
+        labels[0] = 0
+        got = K.logprobs_and_entropy(wide, labels, 0.9, None, False)
+        want = K.logprobs_and_entropy(dense, labels, 0.9, None, False)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        _close(got[0], ref.logprobs(dense, labels, temperature=0.9), torch.bfloat16)
+        weights = [torch.linspace(-1, 1, rows), torch.linspace(2, 0, rows)]
+        want_grad, _ = _grads(lambda t: K.logprobs_and_entropy(t, labels, 0.9, None, False), dense, weights)
+        x = wide.detach().requires_grad_(True)
+        (grad,) = torch.autograd.grad(sum((o * w).sum() for o, w in
+                                          zip(K.logprobs_and_entropy(x, labels, 0.9, None, False), weights)), x)
+        assert torch.equal(grad, want_grad) and torch.equal(wide, dense)  # out of place: the logits kept
+        x = wide.detach().requires_grad_(True)
+        (grad,) = torch.autograd.grad((K.logprobs(x, labels, 0.9, None, True) * weights[0]).sum(), x)
+        want_grad, _ = _grads(lambda t: K.logprobs(t, labels, 0.9, None, False), dense, weights[:1])
+        assert grad.data_ptr() == wide.data_ptr() and torch.equal(wide, want_grad)  # written over the logits
+        from logprob_registry.kernels.triton import _shards
+
+        wide.copy_(dense)
+        kw = dict(vocab_start=0, tile=256, temperature=0.9, ignore_index=None, with_entropy=True)
+        got, want = _shards.shard_stats(wide, labels, **kw), _shards.shard_stats(dense, labels, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
     def test_through_the_registry():
         explanation = lr.explain("logprobs", device="cpu", dtype=torch.bfloat16, requires_grad=True)
         assert explanation["triton"].eligible and not explanation["triton"].chosen  # never automatic on CPU

@@ -43,14 +43,39 @@ def fmt_bandwidth(x: Optional[float]) -> str:
     return "-" if x is None else f"{x / 1e9:.0f}"
 
 
+#: Memory bandwidth by device name (vendors' datasheets, GB/s), most specific first: every word of a
+#: rule must be in the lower-cased name; None marks a name whose memory differs between models.
+PEAK_BANDWIDTH_GB_S = (
+    (("gh200",), None), (("h200",), 4800),
+    (("h100", "nvl"), 3900), (("h100", "pcie"), 2000), (("h100",), 3350),
+    (("a100", "80gb", "pcie"), 1935), (("a100", "80gb"), 2039), (("a100",), 1555),
+    (("b200",), 8000), (("mi300x",), 5300), (("l40s",), 864),
+)
+
+
+def peak_bandwidth(device_name: Optional[str]) -> Optional[float]:
+    """The device's memory bandwidth in bytes per second, read from its name; None when unknown
+    (``bench --peak-bandwidth`` gives it)."""
+    name = (device_name or "").lower()
+    for words, gb_s in PEAK_BANDWIDTH_GB_S:
+        if all(w in name for w in words):
+            return None if gb_s is None else gb_s * 1e9
+    return None
+
+
+def fmt_fraction(x: Optional[float]) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
 def render_run(run: dict) -> str:
     """One setting's table, with its heading, footnotes and the errors of failed methods."""
     s = run["settings"]
     grads = list(run.get("grad_inputs") or ([] if not s["backward"] else ["logits"]))
     bandwidth = s["device_type"] != "cpu" and any(r.get("bandwidth_bytes_per_s") for r in run["results"])
     header = ["method", "time", "IQR", "speed-up", "peak memory", "vs baseline", "max |diff|"]
+    peak = run.get("peak_bandwidth_bytes_per_s") if bandwidth else None
     if bandwidth:
-        header.insert(3, "GB/s")
+        header[3:3] = ["GB/s"] + (["% of peak"] if peak else [])
     header += ["max |grad diff|"] if len(grads) == 1 else [f"max |{g} grad diff|" for g in grads]
     rows = []
     for r in run["results"]:
@@ -61,7 +86,8 @@ def render_run(run: dict) -> str:
         row = [name, fmt_time(r["time_median_s"]), fmt_time(r["time_iqr_s"]), fmt_ratio(r["speedup"]),
                fmt_bytes(r["peak_bytes"]), fmt_ratio(r["memory_ratio"]), fmt_err(r["max_abs_diff"])]
         if bandwidth:
-            row.insert(3, fmt_bandwidth(r.get("bandwidth_bytes_per_s")))
+            row[3:3] = [fmt_bandwidth(r.get("bandwidth_bytes_per_s"))] + (
+                [fmt_fraction(r.get("bandwidth_fraction"))] if peak else [])
         diffs = r.get("max_abs_diff_grads") or ({grads[0]: r.get("max_abs_diff_grad")} if grads else {})
         row += [fmt_err(diffs.get(g)) for g in grads]
         rows.append(row)
@@ -84,6 +110,9 @@ def render_run(run: dict) -> str:
     if bandwidth:
         lines.append("GB/s: the bytes the op must move (the logits read once; in backward read again and "
                      "the gradient written) per second of median time")
+        if peak:
+            lines.append(f"% of peak: of the device's memory bandwidth, {peak / 1e9:.0f} GB/s "
+                         f"({run.get('peak_bandwidth_source')})")
     if s.get("hidden_size"):
         weights = [g for g in grads if g == "weight" or g.endswith("_weight")]
         weight_grad = sum((run.get("input_bytes") or {}).get(g, 0) for g in weights)

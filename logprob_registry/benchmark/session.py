@@ -66,6 +66,7 @@ class Options:
     plugins: Sequence[str] = ()           # MODULE[:ATTR], registered for this run
     timeout: Optional[float] = 1800.0     # seconds per measurement; None: no limit
     device: Optional[str] = None          # default: the machine's main device
+    peak_bandwidth: Optional[float] = None  # the device's memory bandwidth in GB/s; default: from its name
 
     def check(self) -> None:
         """Raise BenchError when a number is out of range or options contradict each other."""
@@ -83,6 +84,9 @@ class Options:
             raise BenchError("give --shape or --preset, not both")
         if self.preset is not None and self.preset not in PRESETS:
             raise BenchError(f"unknown preset {self.preset!r}; choose from {', '.join(PRESETS)}")
+        if self.peak_bandwidth is not None and (isinstance(self.peak_bandwidth, bool) or not isinstance(
+                self.peak_bandwidth, (int, float)) or not 0 < self.peak_bandwidth < math.inf):
+            raise BenchError(f"--peak-bandwidth must be a positive number of GB/s, got {self.peak_bandwidth!r}")
         if self.inplace_backward and not self.backward:
             raise BenchError("--inplace-backward only makes sense with --backward")
 
@@ -262,6 +266,7 @@ class Session:
         if not self.plan:
             self.prepare()
         runs = []
+        peak, source = self._peak_bandwidth()
         for s, found, expl in self.plan:
             self.progress(f"bench: {s.describe()}: {len(found)} methods", True)
             results = measure.run_setting(s, found, self.options.plugins, self.options.timeout, self.progress,
@@ -274,8 +279,21 @@ class Session:
                 grad_inputs=list(s.grad_inputs), eligible=expl.eligible, automatic_choice=expl.chosen,
                 results=results,
             ))
+            if peak and s.device_type != "cpu":
+                runs[-1].update(peak_bandwidth_bytes_per_s=peak, peak_bandwidth_source=source)
+                for r in results:
+                    bandwidth = r.get("bandwidth_bytes_per_s")
+                    r["bandwidth_fraction"] = bandwidth / peak if bandwidth else None
         options = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self.options).items()}
         return render.document(runs, self.device_name, options)
+
+    def _peak_bandwidth(self) -> Tuple[Optional[float], str]:
+        """The device's memory bandwidth (bytes/s) and where it comes from."""
+        from .render import peak_bandwidth
+
+        if self.options.peak_bandwidth:
+            return self.options.peak_bandwidth * 1e9, "--peak-bandwidth"
+        return peak_bandwidth(self.device_name), f"the datasheet of {self.device_name}"
 
     def close(self) -> None:
         from .plugins import unregister_plugins

@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "processes, beside gathering the logits to one rank (logprob_registry.benchmark.distributed)")
     parser.add_argument("--sampler", metavar="KEY=VALUE[,KEY=VALUE]", help="with --process-group: replay a "
                         "sampler in both methods, e.g. top_p=0.9,top_k=50 (softcap, top_k, top_p, min_p)")
+    parser.add_argument("--peak-bandwidth", type=float, metavar="GB/S",
+                        help="the GPU's memory bandwidth, for the '%% of peak' column (default: read from the device's "
+                             "name for H200, H100, A100, B200, MI300X, L40S)")
     parser.add_argument("--timeout", type=float, default=1800, metavar="SECONDS",
                         help="give up on a method after this long per measurement (default 1800)")
 
@@ -90,7 +93,7 @@ def options(args: argparse.Namespace):
         ops=args.op, dtypes=args.dtype, shape=args.shape, preset=args.preset, hidden_size=args.hidden_size,
         sliced=args.slice, backward=args.backward, inplace_backward=args.inplace_backward, backends=args.backend,
         repeat=args.repeat, rounds=args.rounds, warmup=args.warmup, threads=args.threads, plugins=args.plugin,
-        timeout=args.timeout, device=args.device,
+        timeout=args.timeout, device=args.device, peak_bandwidth=args.peak_bandwidth,
     )
 
 

@@ -274,13 +274,19 @@ class _Sharded:
         the survivors of ``before`` (one more round of statistics within that boundary), so that the
         shard ops drop ``exp(y - big) / total < threshold`` (the survivors' largest probability times
         min_p)."""
+        big, total = self._survivors_total(layout, before, device, acc)
+        return big, total, processing.min_p_threshold(total, self.min_p)
+
+    def _survivors_total(self, layout, before, device, acc):
+        """The max and ``sum exp(z - max)`` of the survivors of ``before`` (one more round of
+        statistics within that boundary); this rank's failure goes through the gather, so that every
+        rank raises it."""
         failure = survivors = None
         try:
             survivors = self._stats(acc, plain=True, boundary=before)
         except Exception as exc:
             failure = exc
-        big, total = self._max_and_total(layout, survivors, device, acc, failure)
-        return big, total, processing.min_p_threshold(total, self.min_p)
+        return self._max_and_total(layout, survivors, device, acc, failure)
 
     def _decide_sglang(self, layout, vals, gids, plain, length, device, acc):
         """SGLang's truncation (:func:`.sampled.sglang_boundary`): every filter on the whole row's
@@ -324,12 +330,7 @@ class _Sharded:
                 or not sampled.every_survivor_listed(vals, length, survives):
             # the survivors' normaliser from one more round of statistics (with a number top_k every
             # survivor is usually listed, and the list gives it; the same verdict on every rank)
-            failure = survivors = None
-            try:
-                survivors = self._stats(acc, plain=True, boundary=before)
-            except Exception as exc:
-                failure = exc
-            big, total = self._max_and_total(layout, survivors, device, acc, failure)
+            big, total = self._survivors_total(layout, before, device, acc)
 
         t, j, dropped, _ = self._until_decided(
             lambda v, i, n: sampled.top_p_boundary(v, i, n, self.top_p, big, total, survives, hf=self.order == "hf"),

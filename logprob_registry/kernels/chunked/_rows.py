@@ -32,6 +32,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
+from logprob_registry import kit
 from logprob_registry.kit import result_dtype as compute_dtype
 
 
@@ -194,6 +195,11 @@ def logprobs(logits: torch.Tensor, plan: Plan, index: torch.Tensor, valid: Optio
         rare = stats.plabel < torch.finfo(stats.norm.dtype).tiny * 2.0 ** 24
         if valid is not None:
             rare &= valid
+        if kit.capturing(rare):  # no row count on the host: every row's full statistics (the same bits)
+            full = forward(logits, plan)
+            exact = (_picked(logits, index, plan, stats.norm.dtype) - full.m) - full.logz
+            lp = torch.where(rare, exact, lp)
+            return lp if valid is None else lp.masked_fill_(~valid, 0.0)
         rows = rare.nonzero().squeeze(-1)
         if rows.numel():
             full = forward(_take_rows(logits, rows), plan)
@@ -291,8 +297,9 @@ def _live_rows(grad: torch.Tensor, rows: int) -> Optional[torch.Tensor]:
     """On the CPU, whether each row's upstream gradient ``grad`` is nonzero; a chunk with none live
     (its rows all ignored, or given a zero upstream gradient: a GRPO batch's prompt rows) gets zeros
     without its logits being read or their softmax taken. None (no check) when one chunk holds every
-    row. One device synchronisation for the whole backward."""
-    return None if grad.shape[0] <= rows else (grad != 0).cpu()
+    row. One device synchronisation for the whole backward; none (and None) while a CUDA graph is
+    captured."""
+    return None if grad.shape[0] <= rows or kit.capturing(grad) else (grad != 0).cpu()
 
 
 def _pad(v: torch.Tensor, rows: int) -> torch.Tensor:

@@ -57,6 +57,13 @@ def _load(scratch: torch.Tensor, chunk: torch.Tensor, temperature: float) -> tor
     return out
 
 
+def _empty_stats(n, nt, acc, device, with_entropy):
+    """Empty per-tile ``(m, s, t)`` of ``n`` rows and ``nt`` tiles (``t``: None without the entropy)."""
+    m = torch.empty(n, nt, dtype=acc, device=device)
+    s = torch.empty(n, nt, dtype=acc, device=device)
+    return m, s, torch.empty(n, nt, dtype=acc, device=device) if with_entropy else None
+
+
 def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, budget: int,
                 stats_fn: Optional[TileStats] = None, softcap=None, keep=None, boundary=None):
     """Per-tile ``(m, s, t)`` of the shard and the label logits (see the op table), a chunk of rows
@@ -70,16 +77,13 @@ def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index,
     acc = result_dtype(logits.dtype)
     lead, width = logits.shape[:-1], logits.shape[-1]
     n, nt = labels_rows(lead), n_tiles(width, tile)
-    dev = logits.device
-    m = torch.empty(n, nt, dtype=acc, device=dev)
-    s = torch.empty(n, nt, dtype=acc, device=dev)
-    t = torch.empty(n, nt, dtype=acc, device=dev) if with_entropy else None
+    m, s, t = _empty_stats(n, nt, acc, logits.device, with_entropy)
     picked = owned = column = None
     if labels is not None:
         owned, column = label_columns(labels, vocab_start, width, ignore_index)
-        picked = torch.zeros(n, dtype=acc, device=dev)
+        picked = torch.zeros(n, dtype=acc, device=logits.device)
     rows = _rows_per_chunk(nt * tile, acc, budget)
-    scratch = torch.empty(min(rows, max(n, 1)), nt * tile, dtype=acc, device=dev)
+    scratch = torch.empty(min(rows, max(n, 1)), nt * tile, dtype=acc, device=logits.device)
     for start, chunk in chunks(logits, rows):
         r = chunk.shape[0]
         z = _load(scratch, chunk, temperature)
@@ -193,6 +197,72 @@ def _hidden_rows(hidden: torch.Tensor, acc: torch.dtype, budget: int, tile: int)
     return _rows_per_chunk(tile, acc, budget)
 
 
+def _hidden_tile_stats(hidden, weight, bias, *, tile, with_entropy, budget, stats_fn, tile_of):
+    """Per-tile ``(m, s, t)`` of a weight shard's logits, one tile of logits at a time, the logits
+    of a block of rows ``r0:r1`` against the weight's columns ``c0:c1`` being ``tile_of(hb, w, b,
+    r0, r1, c0, c1)`` (``tile`` columns, -inf past ``c1``; it also picks the label logits): the
+    loop of the plain and the sampler's paths, which differ only in that."""
+    stats_fn = stats_fn or tile_stats_
+    budget = budget or resolve_chunk_bytes(hidden.device)
+    acc = result_dtype(hidden.dtype)
+    lead, hdim = hidden.shape[:-1], hidden.shape[-1]
+    h = hidden.reshape(-1, hdim)
+    n, width = h.shape[0], weight.shape[0]
+    nt = n_tiles(width, tile)
+    m, s, t = _empty_stats(n, nt, acc, hidden.device, with_entropy)
+    rows = _hidden_rows(h, acc, budget, tile)
+    for j in range(nt):
+        c0, c1 = j * tile, min(width, (j + 1) * tile)
+        w, b = _weight_tile(weight, bias, c0, c1, acc)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            z = tile_of(h[r0:r1].to(acc), w, b, r0, r1, c0, c1)
+            cm, cs, ct = stats_fn(z.view(r1 - r0, 1, tile), with_entropy)
+            m[r0:r1, j], s[r0:r1, j] = cm[:, 0], cs[:, 0]
+            if t is not None:
+                t[r0:r1, j] = ct[:, 0]
+    tiles = tuple(lead) + (nt,)
+    return m.view(tiles), s.view(tiles), None if t is None else t.view(tiles)
+
+
+def _hidden_tile_grad(hidden, weight, bias, *, acc, tile, needs_grad, budget, dz_of):
+    """The hidden, weight and bias gradients (see :func:`hidden_shard_grad`), one tile of logits at a
+    time, the gradient of a block of rows ``r0:r1``'s logits against the weight's columns ``c0:c1``
+    being ``dz_of(hb, w, b, r0, r1, c0, c1)``: the loop of the plain and the sampler's paths, which
+    differ only in that."""
+    budget = budget or resolve_chunk_bytes(hidden.device)
+    need_h, need_w, need_b = needs_grad
+    need_b = need_b and bias is not None
+    hdim = hidden.shape[-1]
+    h = hidden.reshape(-1, hdim)
+    n, width = h.shape[0], weight.shape[0]
+    dev = hidden.device
+    gh = torch.zeros(n, hdim, dtype=acc, device=dev) if need_h else None
+    gw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_w else None
+    gb = torch.empty(bias.shape, dtype=bias.dtype, device=dev) if need_b else None
+    rows = _hidden_rows(h, acc, budget, tile)
+    for j in range(n_tiles(width, tile)):
+        c0, c1 = j * tile, min(width, (j + 1) * tile)
+        w, b = _weight_tile(weight, bias, c0, c1, acc)
+        gw_j = torch.zeros(c1 - c0, hdim, dtype=acc, device=dev) if need_w else None
+        gb_j = torch.zeros(c1 - c0, dtype=acc, device=dev) if need_b else None
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            hb = h[r0:r1].to(acc)
+            dz = dz_of(hb, w, b, r0, r1, c0, c1)
+            if need_h:
+                add_matmul(gh[r0:r1], dz, w)
+            if need_w:
+                gw_j.addmm_(pad_rows(dz).t(), pad_rows(hb))
+            if need_b:
+                gb_j += pad_rows(dz).sum(0)
+        if need_w:
+            gw[c0:c1].copy_(gw_j)
+        if need_b:
+            gb[c0:c1].copy_(gb_j)
+    return None if gh is None else gh.view(hidden.shape), gw, gb
+
+
 def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy,
                        budget: Optional[int] = None, stats_fn: Optional[TileStats] = None, softcap=None, keep=None,
                        boundary=None, logits_dtype=None):
@@ -204,35 +274,20 @@ def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, tempe
                                           temperature=temperature, ignore_index=ignore_index,
                                           with_entropy=with_entropy, softcap=softcap, keep=keep, boundary=boundary,
                                           logits_dtype=logits_dtype, budget=budget, stats_fn=stats_fn)
-    stats_fn = stats_fn or tile_stats_
-    budget = budget or resolve_chunk_bytes(hidden.device)
-    acc = result_dtype(hidden.dtype)
-    lead, hdim = hidden.shape[:-1], hidden.shape[-1]
-    h = hidden.reshape(-1, hdim)
-    n, width = h.shape[0], weight.shape[0]
-    nt = n_tiles(width, tile)
-    dev = hidden.device
-    m = torch.empty(n, nt, dtype=acc, device=dev)
-    s = torch.empty(n, nt, dtype=acc, device=dev)
-    t = torch.empty(n, nt, dtype=acc, device=dev) if with_entropy else None
-    owned, column = label_columns(labels, vocab_start, width, ignore_index)
-    picked = torch.zeros(n, dtype=acc, device=dev)
-    rows = _hidden_rows(h, acc, budget, tile)
-    for j in range(nt):
-        c0, c1 = j * tile, min(width, (j + 1) * tile)
-        w, b = _weight_tile(weight, bias, c0, c1, acc)
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
-            z = _tile_logits(h[r0:r1].to(acc), w, b, temperature, tile)
-            inside = owned[r0:r1] & (column[r0:r1] >= c0) & (column[r0:r1] < c1)
-            got = z.gather(1, (column[r0:r1] - c0).clamp(0, c1 - c0 - 1).unsqueeze(1)).squeeze(1)
-            picked[r0:r1] = torch.where(inside, got, picked[r0:r1])
-            cm, cs, ct = stats_fn(z.view(r1 - r0, 1, tile), with_entropy)
-            m[r0:r1, j], s[r0:r1, j] = cm[:, 0], cs[:, 0]
-            if t is not None:
-                t[r0:r1, j] = ct[:, 0]
-    tiles = tuple(lead) + (nt,)
-    return m.view(tiles), s.view(tiles), None if t is None else t.view(tiles), picked.view(lead)
+    lead = hidden.shape[:-1]
+    owned, column = label_columns(labels, vocab_start, weight.shape[0], ignore_index)
+    picked = torch.zeros(labels_rows(lead), dtype=result_dtype(hidden.dtype), device=hidden.device)
+
+    def tile_of(hb, w, b, r0, r1, c0, c1):
+        z = _tile_logits(hb, w, b, temperature, tile)
+        inside = owned[r0:r1] & (column[r0:r1] >= c0) & (column[r0:r1] < c1)
+        got = z.gather(1, (column[r0:r1] - c0).clamp(0, c1 - c0 - 1).unsqueeze(1)).squeeze(1)
+        picked[r0:r1] = torch.where(inside, got, picked[r0:r1])
+        return z
+
+    m, s, t = _hidden_tile_stats(hidden, weight, bias, tile=tile, with_entropy=with_entropy, budget=budget,
+                                 stats_fn=stats_fn, tile_of=tile_of)
+    return m, s, t, picked.view(lead)
 
 
 def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start,
@@ -246,47 +301,21 @@ def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_
                                          bias=bias, vocab_start=vocab_start, tile=tile, temperature=temperature,
                                          needs_grad=needs_grad, softcap=softcap, keep=keep, boundary=boundary,
                                          logits_dtype=logits_dtype, budget=budget)
-    budget = budget or resolve_chunk_bytes(hidden.device)
-    acc = lse.dtype
-    need_h, need_w, need_b = needs_grad
-    need_b = need_b and bias is not None
-    hdim = hidden.shape[-1]
-    h = hidden.reshape(-1, hdim)
-    n, width = h.shape[0], weight.shape[0]
-    dev = hidden.device
     lse = lse.reshape(-1)
     entropy = None if entropy is None else entropy.reshape(-1)
     g_lp = None if grad_logprobs is None else grad_logprobs.reshape(-1)
     g_ent = None if grad_entropy is None else grad_entropy.reshape(-1)
-    owned, column = label_columns(labels, vocab_start, width, None)
-    gh = torch.zeros(n, hdim, dtype=acc, device=dev) if need_h else None
-    gw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_w else None
-    gb = torch.empty(bias.shape, dtype=bias.dtype, device=dev) if need_b else None
-    rows = _hidden_rows(h, acc, budget, tile)
-    for j in range(n_tiles(width, tile)):
-        c0, c1 = j * tile, min(width, (j + 1) * tile)
-        w, b = _weight_tile(weight, bias, c0, c1, acc)
-        gw_j = torch.zeros(c1 - c0, hdim, dtype=acc, device=dev) if need_w else None
-        gb_j = torch.zeros(c1 - c0, dtype=acc, device=dev) if need_b else None
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
-            hb = h[r0:r1].to(acc)
-            z = _tile_logits(hb, w, b, temperature, c1 - c0)
-            inside = owned[r0:r1] & (column[r0:r1] >= c0) & (column[r0:r1] < c1)
-            dz = _dz(z, lse[r0:r1], None if entropy is None else entropy[r0:r1],
-                     None if g_lp is None else g_lp[r0:r1], None if g_ent is None else g_ent[r0:r1],
-                     inside, (column[r0:r1] - c0).clamp(0, c1 - c0 - 1), temperature)
-            if need_h:
-                add_matmul(gh[r0:r1], dz, w)
-            if need_w:
-                gw_j.addmm_(pad_rows(dz).t(), pad_rows(hb))
-            if need_b:
-                gb_j += pad_rows(dz).sum(0)
-        if need_w:
-            gw[c0:c1].copy_(gw_j)
-        if need_b:
-            gb[c0:c1].copy_(gb_j)
-    return None if gh is None else gh.view(hidden.shape), gw, gb
+    owned, column = label_columns(labels, vocab_start, weight.shape[0], None)
+
+    def dz_of(hb, w, b, r0, r1, c0, c1):
+        z = _tile_logits(hb, w, b, temperature, c1 - c0)
+        inside = owned[r0:r1] & (column[r0:r1] >= c0) & (column[r0:r1] < c1)
+        return _dz(z, lse[r0:r1], None if entropy is None else entropy[r0:r1],
+                   None if g_lp is None else g_lp[r0:r1], None if g_ent is None else g_ent[r0:r1],
+                   inside, (column[r0:r1] - c0).clamp(0, c1 - c0 - 1), temperature)
+
+    return _hidden_tile_grad(hidden, weight, bias, acc=lse.dtype, tile=tile, needs_grad=needs_grad, budget=budget,
+                             dz_of=dz_of)
 
 
 # ------------------------------------------------- the sampler's processing (feature shard_sampler)
@@ -332,12 +361,9 @@ def sampled_shard_stats(logits, labels, *, vocab_start, tile, temperature, ignor
     acc = result_dtype(logits.dtype)
     lead, width = logits.shape[:-1], logits.shape[-1]
     n, nt = labels_rows(lead), n_tiles(width, tile)
-    dev = logits.device
-    m = torch.empty(n, nt, dtype=acc, device=dev)
-    s = torch.empty(n, nt, dtype=acc, device=dev)
-    t = torch.empty(n, nt, dtype=acc, device=dev) if with_entropy else None
+    m, s, t = _empty_stats(n, nt, acc, logits.device, with_entropy)
     lab = None if labels is None else labels.reshape(n, -1)
-    picked = None if labels is None else torch.zeros(lab.shape, dtype=acc, device=dev)
+    picked = None if labels is None else torch.zeros(lab.shape, dtype=acc, device=logits.device)
     keep, boundary = _flat_keep(keep, n), _flat_boundary(boundary)
     rows = _rows_per_chunk(nt * tile, acc, budget)
     for start, chunk in chunks(logits, rows):
@@ -421,97 +447,69 @@ def _tile_raw(h, w, b, width):
     return _tile_logits(h, w, b, 1.0, width)
 
 
+def _tile_processing(n, *, vocab_start, temperature, softcap, keep, boundary, acc, logits_dtype):
+    """``process(hb, w, b, r0, r1, c0, c1) -> (xr, z, kept)``: :func:`_processed_block` of the logits
+    of the rows ``r0:r1`` (``hb``, of ``n``) against the weight tile ``w, b`` (the shard's columns
+    ``c0:c1``), for the fused op's statistics and gradient alike."""
+    keep, boundary = _flat_keep(keep, n), _flat_boundary(boundary)
+
+    def process(hb, w, b, r0, r1, c0, c1):
+        x = _tile_raw(hb, w, b, c1 - c0)
+        return _processed_block(x, vocab_start + c0, _temperature_rows(temperature, slice(r0, r1)), softcap,
+                                None if keep is None else keep[r0:r1, c0:c1], _part(boundary, slice(r0, r1)),
+                                acc, logits_dtype)
+
+    return process
+
+
 def sampled_hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index,
                                with_entropy, softcap, keep, boundary, logits_dtype, budget: Optional[int] = None,
                                stats_fn: Optional[TileStats] = None):
     """hidden_shard_stats with the sampler's processing, one tile of logits at a time."""
-    stats_fn = stats_fn or tile_stats_
-    budget = budget or resolve_chunk_bytes(hidden.device)
     acc = result_dtype(hidden.dtype)
-    lead, hdim = hidden.shape[:-1], hidden.shape[-1]
-    h = hidden.reshape(-1, hdim)
-    n, width = h.shape[0], weight.shape[0]
-    nt = n_tiles(width, tile)
-    dev = hidden.device
-    m = torch.empty(n, nt, dtype=acc, device=dev)
-    s = torch.empty(n, nt, dtype=acc, device=dev)
-    t = torch.empty(n, nt, dtype=acc, device=dev) if with_entropy else None
+    n = labels_rows(hidden.shape[:-1])
     lab = labels.reshape(n, -1)
-    picked = torch.zeros(lab.shape, dtype=acc, device=dev)
-    keep, boundary = _flat_keep(keep, n), _flat_boundary(boundary)
-    rows = _hidden_rows(h, acc, budget, tile)
-    for j in range(nt):
-        c0, c1 = j * tile, min(width, (j + 1) * tile)
-        w, b = _weight_tile(weight, bias, c0, c1, acc)
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
-            x = _tile_raw(h[r0:r1].to(acc), w, b, c1 - c0)
-            _, z, kept = _processed_block(x, vocab_start + c0, _temperature_rows(temperature, slice(r0, r1)), softcap,
-                                          None if keep is None else keep[r0:r1, c0:c1],
-                                          _part(boundary, slice(r0, r1)), acc, logits_dtype)
-            owned, value = P.label_values(z, kept, lab[r0:r1], vocab_start + c0, ignore_index)
-            picked[r0:r1] = torch.where(owned, value, picked[r0:r1])
-            P.masked(z, kept)
-            if c1 - c0 < tile:
-                z = torch.nn.functional.pad(z, (0, tile - (c1 - c0)), value=float("-inf"))
-            cm, cs, ct = stats_fn(z.view(r1 - r0, 1, tile), with_entropy)
-            m[r0:r1, j], s[r0:r1, j] = cm[:, 0], cs[:, 0]
-            if t is not None:
-                t[r0:r1, j] = ct[:, 0]
-    tiles = tuple(lead) + (nt,)
-    return m.view(tiles), s.view(tiles), None if t is None else t.view(tiles), picked.view(labels.shape)
+    picked = torch.zeros(lab.shape, dtype=acc, device=hidden.device)
+    process = _tile_processing(n, vocab_start=vocab_start, temperature=temperature, softcap=softcap, keep=keep,
+                               boundary=boundary, acc=acc, logits_dtype=logits_dtype)
+
+    def tile_of(hb, w, b, r0, r1, c0, c1):
+        _, z, kept = process(hb, w, b, r0, r1, c0, c1)
+        owned, value = P.label_values(z, kept, lab[r0:r1], vocab_start + c0, ignore_index)
+        picked[r0:r1] = torch.where(owned, value, picked[r0:r1])
+        P.masked(z, kept)
+        if c1 - c0 < tile:
+            z = torch.nn.functional.pad(z, (0, tile - (c1 - c0)), value=float("-inf"))
+        return z
+
+    m, s, t = _hidden_tile_stats(hidden, weight, bias, tile=tile, with_entropy=with_entropy, budget=budget,
+                                 stats_fn=stats_fn, tile_of=tile_of)
+    return m, s, t, picked.view(labels.shape)
 
 
 def sampled_hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias,
                               vocab_start, tile, temperature, needs_grad, softcap, keep, boundary, logits_dtype,
                               budget: Optional[int] = None):
-    budget = budget or resolve_chunk_bytes(hidden.device)
     acc = lse.dtype
-    need_h, need_w, need_b = needs_grad
-    need_b = need_b and bias is not None
-    hdim = hidden.shape[-1]
-    h = hidden.reshape(-1, hdim)
-    n, width = h.shape[0], weight.shape[0]
-    dev = hidden.device
+    n = labels_rows(hidden.shape[:-1])
     lse = lse.reshape(-1)
     entropy = None if entropy is None else entropy.reshape(-1)
     lab = labels.reshape(n, -1)
     g_lp = None if grad_logprobs is None else grad_logprobs.reshape(n, -1)
     g_ent = None if grad_entropy is None else grad_entropy.reshape(-1)
-    keep, boundary = _flat_keep(keep, n), _flat_boundary(boundary)
-    gh = torch.zeros(n, hdim, dtype=acc, device=dev) if need_h else None
-    gw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_w else None
-    gb = torch.empty(bias.shape, dtype=bias.dtype, device=dev) if need_b else None
-    rows = _hidden_rows(h, acc, budget, tile)
-    for j in range(n_tiles(width, tile)):
-        c0, c1 = j * tile, min(width, (j + 1) * tile)
-        w, b = _weight_tile(weight, bias, c0, c1, acc)
-        gw_j = torch.zeros(c1 - c0, hdim, dtype=acc, device=dev) if need_w else None
-        gb_j = torch.zeros(c1 - c0, dtype=acc, device=dev) if need_b else None
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
-            hb = h[r0:r1].to(acc)
-            x = _tile_raw(hb, w, b, c1 - c0)
-            xr, z, kept = _processed_block(x, vocab_start + c0, _temperature_rows(temperature, slice(r0, r1)),
-                                           softcap,
-                                           None if keep is None else keep[r0:r1, c0:c1],
-                                           _part(boundary, slice(r0, r1)), acc, logits_dtype)
-            dz = P.grad_z(z, kept, lab[r0:r1], vocab_start + c0, lse[r0:r1],
-                          None if entropy is None else entropy[r0:r1], None if g_lp is None else g_lp[r0:r1],
-                          None if g_ent is None else g_ent[r0:r1])
-            dz = P.chain(dz, xr, temperature=_temperature_rows(temperature, slice(r0, r1)), softcap=softcap,
-                         logits_dtype=logits_dtype)
-            if need_h:
-                add_matmul(gh[r0:r1], dz, w)
-            if need_w:
-                gw_j.addmm_(pad_rows(dz).t(), pad_rows(hb))
-            if need_b:
-                gb_j += pad_rows(dz).sum(0)
-        if need_w:
-            gw[c0:c1].copy_(gw_j)
-        if need_b:
-            gb[c0:c1].copy_(gb_j)
-    return None if gh is None else gh.view(hidden.shape), gw, gb
+    process = _tile_processing(n, vocab_start=vocab_start, temperature=temperature, softcap=softcap, keep=keep,
+                               boundary=boundary, acc=acc, logits_dtype=logits_dtype)
+
+    def dz_of(hb, w, b, r0, r1, c0, c1):
+        xr, z, kept = process(hb, w, b, r0, r1, c0, c1)
+        dz = P.grad_z(z, kept, lab[r0:r1], vocab_start + c0, lse[r0:r1],
+                      None if entropy is None else entropy[r0:r1], None if g_lp is None else g_lp[r0:r1],
+                      None if g_ent is None else g_ent[r0:r1])
+        return P.chain(dz, xr, temperature=_temperature_rows(temperature, slice(r0, r1)), softcap=softcap,
+                       logits_dtype=logits_dtype)
+
+    return _hidden_tile_grad(hidden, weight, bias, acc=acc, tile=tile, needs_grad=needs_grad, budget=budget,
+                             dz_of=dz_of)
 
 
 def hidden_shard_topk(hidden, weight, *, bias, vocab_start, temperature, k, decision, softcap=None, keep=None,
