@@ -144,12 +144,9 @@ if [[ $STEPS == *" bench "* ]]; then
       n=$((n + 1))
       run "$OUT/bench.txt" 120 $B "${args[@]}" "${REPEAT[@]}" $pass --json "$PARTS/bench-$n.json"
     done
-    if [ "$setting" = BIG ]; then
-      n=$((n + 1))
-      run "$OUT/bench.txt" 60 $B "${args[@]}" "${REPEAT[@]}" --backend triton --backward --inplace-backward \
-        --json "$PARTS/bench-$n.json"
-    fi
   done
+  run "$OUT/bench.txt" 60 $B "${BIG[@]}" "${REPEAT[@]}" --backend triton --backward --inplace-backward \
+    --json "$PARTS/bench-7.json"
   $PY scripts/gpu_proof.py merge "$OUT/bench.json" $(ls "$PARTS"/bench-*.json 2>/dev/null | sort -V) || status=1
   grep -E "^(== |exit status|timed out|not run)" "$OUT/bench.txt"
 fi

@@ -222,6 +222,17 @@ def test_cli_usage_errors(capsys, tmp_path):
     assert "is not a directory" in capsys.readouterr().err
     assert main(["parity", "--tiny", "--top-p", "1.5"]) == 2
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert main(["parity", "--tiny", "--min-p", "-0.1"]) == 2
+    assert "min_p must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_cli_replays_min_p(capsys, tmp_path):
+    out = tmp_path / "parity.json"
+    rc = main(["parity", "--tiny", "--prompts", "1", "--new-tokens", "4", "--device", "cpu", "--min-p", "0.05",
+               "--json", str(out)])
+    assert rc == 0, capsys.readouterr().out
+    reports = json.loads(out.read_text())["reports"]
+    assert all(r["settings"]["min_p"] == 0.05 and r["within_rounding"] for r in reports)
 
 
 def test_transformers_is_imported_only_by_the_parity_check():

@@ -12,6 +12,7 @@ what the interpreter does not (types, constexpr branches, lowering).
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -394,6 +395,28 @@ if INTERPRETED:
             assert torch.equal(alone[0][0], one[0][i]) and torch.equal(alone[1][0], one[1][i])
             alone = K.logprobs_and_entropy(logits[i:], labels[i:], 0.9, None, False)
             assert torch.equal(alone[0][0], one[0][i]) and torch.equal(alone[1][0], one[1][i])
+
+    @pytest.mark.parametrize("inplace", [False, True])
+    def test_backward_never_reads_rows_without_upstream_gradient(inplace):
+        """Rows whose label is ignored, or whose upstream gradient is 0 (a GRPO prompt row), get exact
+        zeros without their logits being read (NaN there would spread); the other rows' gradients are
+        bitwise those of a call on them alone."""
+        logits, labels = _inputs((8,), 300, torch.float32, seed=18)
+        labels[:3] = -100
+        logits[:4] = math.nan
+        up = torch.linspace(1, 2, 8)
+        up[3] = 0.0
+        x = logits.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad((K.logprobs(x, labels, 0.8, -100, inplace) * up).sum(), x)
+        assert torch.equal(grad[:4], torch.zeros(4, 300))
+        alone = logits[4:].clone().requires_grad_(True)
+        (want,) = torch.autograd.grad((K.logprobs(alone, labels[4:], 0.8, -100, False) * up[4:]).sum(), alone)
+        assert torch.equal(grad[4:], want)
+        x = logits.clone().requires_grad_(True)
+        lp, ent = K.logprobs_and_entropy(x, labels, 0.8, -100, inplace)
+        (grad,) = torch.autograd.grad((lp * up).sum() + (ent * up).sum(), x)
+        assert torch.isnan(grad[:3]).all()  # ignored labels still get the entropy's gradient: their logits are read
+        assert torch.equal(grad[3], torch.zeros(300)) and torch.isfinite(grad[4:]).all()
 
     def _wide(rows, vocab, stride, seed):
         """bf16 logits (rows, vocab) whose row r starts at element r * stride of one allocation that is

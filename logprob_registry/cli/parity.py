@@ -22,6 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     parser.add_argument("--top-k", type=int, default=50, metavar="K", help="top_k, 0 for none (default 50)")
     parser.add_argument("--top-p", type=float, default=0.8, metavar="P", help="top_p, 1 for none (default 0.8)")
+    parser.add_argument("--min-p", type=float, default=0.0, metavar="P", help="min_p, 0 for none (default 0)")
     parser.add_argument("--new-tokens", type=int, default=16, metavar="N",
                         help="tokens sampled per prompt (default 16)")
     parser.add_argument("--prompts", type=int, default=4, metavar="N", help="random prompts (default 4)")
@@ -47,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
         dtype = parse_dtype(args.dtype)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         settings = Settings(temperature=args.temperature, top_k=args.top_k or None,
-                            top_p=None if args.top_p == 1 else args.top_p, new_tokens=args.new_tokens,
+                            top_p=None if args.top_p == 1 else args.top_p, min_p=args.min_p or None,
+                            new_tokens=args.new_tokens,
                             prompts=args.prompts, prompt_length=args.prompt_length, seed=args.seed).check()
         if args.tiny:
             models = {k: m.to(device) for k, m in tiny_models(args.seed, dtype).items()}

@@ -16,8 +16,8 @@ only, never on the number of rows, so a row's result does not depend on its batc
 
 The backward kernel recomputes ``p = exp(x - m - log s)`` from the logits and the two saved
 per-row floats, and writes ``(onehot - p) * grad / T - grad_entropy * p * (log p + H) / T``, out
-of place or over the logits (``inplace_backward``). Nothing of size N x V is kept between the
-passes.
+of place or over the logits (``inplace_backward``). A row whose upstream gradients are 0 (an ignored
+label) gets zeros without its logits being read. Nothing of size N x V is kept between the passes.
 """
 
 from __future__ import annotations
@@ -231,28 +231,36 @@ def _backward_kernel(
     cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     inb = live[:, None] & (cols < V)[None, :]
     temp = tl.cast(t_hi, ACC) + tl.cast(t_lo, ACC)
-    x_rows = x_ptr + _row_offset(rows, D1, D2, xs0, xs1, xs2)
-    x = tl.load(x_rows[:, None] + (cols * xsv)[None, :], mask=inb, other=float("-inf")).to(ACC)
-    raw = x
-    if SOFTCAP:
-        x = _softcap(x, cap)
-    x = x / temp
-    masked = x == float("-inf")
-    m = tl.load(m_ptr + rows, mask=live, other=0.0)
-    log_s = tl.load(ls_ptr + rows, mask=live, other=0.0)
-    logp = (tl.where(masked, 0.0, x) - m[:, None]) - log_s[:, None]
-    p = tl.where(masked, 0.0, tl.exp(logp))
-    grad = tl.zeros([ROWS, BLOCK], ACC)
+    # A row whose upstream gradients are all 0 (an ignored label, a GRPO prompt row) is not read: its
+    # gradient is exactly 0 (also where its logits are NaN), written without loading them.
+    active = rows < 0  # none yet
     if GRAD_LP:
         g = tl.load(glp_ptr + rows, mask=live, other=0.0).to(ACC)
         label = tl.load(lab_ptr + _row_offset(rows, D1, D2, ls0, ls1, ls2), mask=live, other=0).to(tl.int64)
         if IGNORE:
             g = tl.where(label == ignore_index, 0.0, g)
-        grad = g[:, None] * (tl.where(cols[None, :] == label[:, None], 1.0, 0.0) - p)
+        active = active | (g != 0.0)
     if GRAD_ENT:
         g_ent = tl.load(gent_ptr + rows, mask=live, other=0.0).to(ACC)
-        h = tl.load(ent_ptr + rows, mask=live, other=0.0)
+        active = active | (g_ent != 0.0)
+    x_rows = x_ptr + _row_offset(rows, D1, D2, xs0, xs1, xs2)
+    x = tl.load(x_rows[:, None] + (cols * xsv)[None, :], mask=inb & active[:, None], other=float("-inf")).to(ACC)
+    raw = x
+    if SOFTCAP:
+        x = _softcap(x, cap)
+    x = x / temp
+    masked = x == float("-inf")
+    m = tl.load(m_ptr + rows, mask=active, other=0.0)
+    log_s = tl.load(ls_ptr + rows, mask=active, other=0.0)
+    logp = (tl.where(masked, 0.0, x) - m[:, None]) - log_s[:, None]
+    p = tl.where(masked, 0.0, tl.exp(logp))
+    grad = tl.zeros([ROWS, BLOCK], ACC)
+    if GRAD_LP:
+        grad = g[:, None] * (tl.where(cols[None, :] == label[:, None], 1.0, 0.0) - p)
+    if GRAD_ENT:
+        h = tl.load(ent_ptr + rows, mask=active, other=0.0)
         grad = grad - g_ent[:, None] * (p * (logp + h[:, None]))
+    grad = tl.where(active[:, None], grad, 0.0)
     grad = grad / temp
     if SOFTCAP:  # d softcap(x) / dx = 1 - tanh(x / cap)**2, 0 at -inf
         tanh = x * temp / cap
