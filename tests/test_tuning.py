@@ -309,8 +309,14 @@ def test_min_size_passes_a_backend_over_for_small_v_times_h_only(fused):
         "declares min_size['logprobs_from_hidden']=8388608); choose it explicitly to use it anyway")
     assert fused.explain(key(4096, 1024)).chosen == "fused-big"      # 16384 x 1024 = 2^24
     assert fused.explain(key(151936, 256)).chosen == "fused-big"
-    # H not known (explain without hidden_size): no size rule applies
-    assert fused.explain(Key("logprobs_from_hidden", "cpu", torch.float32, False, vocab=16384)).chosen == "fused-big"
+    # H not known (explain without hidden_size): no size rule applies, and the explanation says what
+    # a real call (whose size is known) smaller than the declaration runs on
+    unknown = fused.explain(Key("logprobs_from_hidden", "cpu", torch.float32, False, vocab=16384))
+    assert unknown.chosen == "fused-big"
+    assert unknown.notes == ("size rule: fused-big declares min_size['logprobs_from_hidden']=8388608: a call whose "
+                             "V x H is smaller runs on fused-any; explain(..., shape=..., hidden_size=...) shows the "
+                             "choice for a size",)
+    assert unknown.notes[0] in str(unknown) and not fused.explain(key(151936, 256)).notes
     assert fused.select(key(4096, 256), backend="fused-big").name == "fused-big"
 
 

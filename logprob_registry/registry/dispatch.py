@@ -44,7 +44,7 @@ from ..opspec import OPS
 from ..validation import inside_functorch_transform
 from .errors import BackendFallbackWarning, NoEligibleBackendError
 from .explanation import Explanation
-from .key import Key
+from .key import ALWAYS_HIDDEN, Key, key_size
 from .plugins import PluginSet, error_line
 from .ranking import Verdict, automatic, rank, why_not
 
@@ -295,7 +295,24 @@ class Dispatcher:
         degraded = tuple(d for d in self._plugins.degradations()
                          if d.backend in listed and d.concerns(key.device, key.dtype))
         return Explanation(key, marked, chosen, f"{forced} ({source})" if forced else None,
-                           tuple(self._plugins.failures()), degraded, strict_source() if strict else None)
+                           tuple(self._plugins.failures()), degraded, strict_source() if strict else None,
+                           self._size_notes(key, verdicts, chosen if forced is None else None))
+
+    def _size_notes(self, key: Key, verdicts: List[Verdict], chosen: Optional[str]) -> tuple:
+        """When the key's size is not known (explain or info without a shape), the automatic choice's
+        ``min_size`` for the op decides every real call (which has a size): say which backend a
+        smaller call runs on."""
+        if chosen is None or key_size(key.op, key.vocab, key.hidden) is not None:
+            return ()
+        least = self._plugins.get(chosen).min_size.get(key.op)
+        if least is None:
+            return ()
+        after = [v.name for v in verdicts[[v.name for v in verdicts].index(chosen) + 1:] if v.eligible]
+        below = next((n for n in after if key.op not in self._plugins.get(n).min_size), None)
+        per_row = "V x H" if key.op in ALWAYS_HIDDEN else "V (V x H for hidden states)"
+        return (f"size rule: {chosen} declares min_size[{key.op!r}]={least}: a call whose {per_row} is smaller "
+                f"runs on {below or 'the next eligible backend'}; explain(..., shape=..., hidden_size=...) shows "
+                "the choice for a size",)
 
     # ------------------------------------------------------------ dispatch
     def call(self, key: Key, backend: Optional[str], args: tuple, options: Mapping[str, Any]) -> Any:

@@ -34,6 +34,7 @@ class Explanation:
     failures: Sequence[PluginFailure] = field(default_factory=tuple)
     degradations: Sequence["Degradation"] = field(default_factory=tuple)
     strict: Optional[str] = None
+    notes: Sequence[str] = field(default_factory=tuple)  # what the choice depends on beyond the table
 
     @property
     def eligible(self) -> List[str]:
@@ -64,6 +65,7 @@ class Explanation:
         if timed:
             lines.append("measured: seconds per call in the tuning ranking (logprob-registry tune); "
                          "it orders the backends it measured, priority the rest")
+        lines += list(self.notes)
         for d in self.degradations:
             lines.append(f"{DEGRADED} {d.describe()}")
         for f in self.failures:
