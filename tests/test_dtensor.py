@@ -2,8 +2,8 @@
 
 One spawned gloo group per world size runs every check (:func:`_checks`): a 1-D mesh of 2 and of 4
 processes (a vocabulary shard in float32 and bfloat16, an uneven vocabulary included; Replicate and
-a leading-dim Shard, which run locally; the fused op with a vocabulary-row-sharded weight; topk;
-the errors) and, on 4, a 2x2 mesh. Each check returns "" or its traceback; the tests below assert
+a leading-dim Shard, which run locally; the fused op with a vocabulary-row-sharded weight; topk,
+rows sharded and vocabulary sharded; the errors) and, on 4, a 2x2 mesh. Each check returns "" or its traceback; the tests below assert
 them by name, so a failure names the check and the rank.
 """
 
@@ -168,6 +168,33 @@ def _hidden_vocab_shard(mesh, mesh_dim, hidden_placements, weight_placements, gr
         _close(hidden_grad, full_h.grad, 1e-5, what + " hidden gradient vs plain", rtol=1e-5)
 
 
+def _vocab_topk(mesh, x):
+    """topk_logprobs of vocabulary-sharded logits: the process_group path by hand (bitwise), values
+    and global ids replicated over the vocabulary's mesh dim; the plain call within the contract;
+    the gradient a DTensor of the logits' placement."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    start = _start(x.shape[-1], mesh.size(0), mesh.get_local_rank(0))
+    d = distribute_tensor(x, mesh, [Shard(2)]).requires_grad_()
+    values, ids = lr.topk_logprobs(d, 5, temperature=0.9, backend=B)
+    local = d.to_local().detach().clone().requires_grad_()
+    by_hand = lr.topk_logprobs(local, 5, temperature=0.9, process_group=mesh.get_group(0), vocab_start=start,
+                               backend=B)
+    full = x.clone().requires_grad_()
+    plain = lr.topk_logprobs(full, 5, temperature=0.9, backend=B)
+    assert tuple(values.placements) == tuple(ids.placements) == (Replicate(),), values.placements
+    _equal(values.to_local(), by_hand[0], "topk values vs the process_group path")
+    _equal(ids.to_local(), by_hand[1], "topk ids vs the process_group path")
+    _equal(ids.full_tensor(), plain[1], "topk ids vs plain")
+    _close(values.full_tensor(), plain[0], tolerance(x.double(), 0.9), "topk values vs plain")
+    values.sum().backward()
+    by_hand[0].sum().backward()
+    plain[0].sum().backward()
+    assert tuple(d.grad.placements) == (Shard(2),), d.grad.placements
+    _equal(d.grad.to_local(), local.grad, "topk gradient vs the process_group path")
+    _close(d.grad.full_tensor(), full.grad, 1e-6, "topk gradient vs plain", rtol=2 * gradient_rounding(x.dtype))
+
+
 def _errors(mesh, x, y, world):
     """Placements that cannot run, and mismatched meshes: a clear error, on every rank."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -187,8 +214,6 @@ def _errors(mesh, x, y, world):
     d = distribute_tensor(x, mesh, [Shard(2)])
     raises(ValueError, "different device meshes", lambda: lr.logprobs_from_logits(
         d, distribute_tensor(y, other, [Replicate()])))
-    raises(NotImplementedError, "topk_logprobs of logits sharded on the vocabulary dim",
-           lambda: lr.topk_logprobs(d, 3))
     raises(ValueError, "leave process_group and vocab_start out",
            lambda: lr.logprobs_from_logits(d, y, process_group=mesh.get_group(0)))
     h, w = _logits((4, 8), seed=3, scale=1.0), _logits((x.shape[-1], 8), seed=4, scale=0.3)
@@ -235,6 +260,7 @@ def _checks(rank, world):
                distribute_tensor(y % 1001, mesh, [Replicate()]), "1-D")
     x = _logits((4, 3, 1001))
     record("1d-local", _runs_locally, mesh, x, y)
+    record("1d-vocab-topk", _vocab_topk, mesh, x)
     h, w = _logits((4, 16), seed=3, scale=1.0), _logits((1001, 16), seed=4, scale=0.3)
     record("1d-hidden", _hidden_vocab_shard, mesh, 0, [Replicate()], [Shard(0)], [Shard(0)], h, w, y[:, 0], "1-D")
     record("errors", _errors, mesh, x, y, world)
@@ -285,7 +311,7 @@ def test_logprobs_from_hidden_with_a_vocab_row_sharded_weight(ranks):
     _assert(ranks, "1d-hidden")
 
 
-def test_partial_a_sharded_hidden_dim_topk_over_the_vocabulary_and_mismatched_meshes_raise(ranks):
+def test_partial_a_sharded_hidden_dim_and_mismatched_meshes_raise(ranks):
     _assert(ranks, "errors")
 
 

@@ -188,12 +188,6 @@ class _Plan:
         if self.vocab_dim is not None:
             raise _unsupported(name, x, mesh_dim, f"the vocabulary is already sharded over mesh dim {self.vocab_dim}; "
                                "it may be sharded over one mesh dim only")
-        if self.op == "topk_logprobs":
-            raise NotImplementedError(
-                f"topk_logprobs of logits sharded on the vocabulary dim ({x.placements[mesh_dim]!r} on mesh dim "
-                f"{mesh_dim}) is not supported with DTensor yet; call topk_logprobs(x.to_local(), k, "
-                "process_group=..., vocab_start=...) on the local shard (every rank gets the complete values and "
-                "global ids), or redistribute the logits to Replicate() on that mesh dim")
         self.vocab_dim = mesh_dim
         self.vocab_start = _offset(x, dim)
 
