@@ -195,6 +195,38 @@ def _vocab_topk(mesh, x):
     _close(d.grad.full_tensor(), full.grad, 1e-6, "topk gradient vs plain", rtol=2 * gradient_rounding(x.dtype))
 
 
+def _vocab_kl(mesh, x):
+    """kl_divergence of two vocabulary-sharded logits DTensors with a DTensor mask, both directions:
+    the process_group path by hand (bitwise, the student's gradient too), the plain call within the
+    contract, the output replicated over the vocabulary's mesh dim."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    start = _start(x.shape[-1], mesh.size(0), mesh.get_local_rank(0))
+    teacher = _logits(tuple(x.shape), seed=5)
+    mask = torch.ones(x.shape[:-1], dtype=torch.bool)
+    mask[1, 2] = False
+    for kw in (dict(direction="forward", temperature=2.0), dict(direction="reverse")):
+        d = distribute_tensor(x, mesh, [Shard(2)]).requires_grad_()
+        t = distribute_tensor(teacher, mesh, [Shard(2)])
+        m = distribute_tensor(mask, mesh, [Replicate()])
+        got = lr.kl_divergence(d, t, mask=m, backend=B, **kw)
+        local = d.to_local().detach().clone().requires_grad_()
+        by_hand = lr.kl_divergence(local, t.to_local(), mask=mask, process_group=mesh.get_group(0), vocab_start=start,
+                                   backend=B, **kw)
+        full = x.clone().requires_grad_()
+        plain = lr.kl_divergence(full, teacher, mask=mask, backend=B, **kw)
+        what = f"kl {kw.get('direction')}"
+        assert tuple(got.placements) == (Replicate(),), f"{what}: placed {got.placements}"
+        _equal(got.to_local(), by_hand, f"{what} vs the process_group path")
+        _close(got.full_tensor(), plain, 1e-5, f"{what} vs plain")
+        got.sum().backward()
+        by_hand.sum().backward()
+        plain.sum().backward()
+        assert tuple(d.grad.placements) == (Shard(2),), d.grad.placements
+        _equal(d.grad.to_local(), local.grad, f"{what} gradient vs the process_group path")
+        _close(d.grad.full_tensor(), full.grad, 1e-6, f"{what} gradient vs plain", rtol=2 * gradient_rounding(x.dtype))
+
+
 def _errors(mesh, x, y, world):
     """Placements that cannot run, and mismatched meshes: a clear error, on every rank."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -225,8 +257,12 @@ def _errors(mesh, x, y, world):
         distribute_tensor(h, other, [Replicate()]), distribute_tensor(w, mesh, [Shard(0)]), y[:, 0]))
     raises(TypeError, "labels is a DTensor but logits is a plain", lambda: lr.logprobs_from_logits(
         x, distribute_tensor(y, mesh, [Replicate()])))
-    raises(NotImplementedError, "kl_divergence with DTensor inputs is not supported yet",
-           lambda: lr.kl_divergence(d, d))
+    raises(NotImplementedError, "kl_divergence with hidden sides (student_weight=) and DTensor inputs",
+           lambda: lr.kl_divergence(distribute_tensor(h, mesh, [Replicate()]), distribute_tensor(h, mesh, [Replicate()]),
+                                    student_weight=distribute_tensor(w, mesh, [Shard(0)]), teacher_weight=w))
+    raises(ValueError, "both sides must be placed alike",
+           lambda: lr.kl_divergence(d, distribute_tensor(x, mesh, [Replicate()])))
+    raises(TypeError, "student is a DTensor but teacher is a plain", lambda: lr.kl_divergence(d, x))
     if world == 4:  # plain hidden states with a weight on a 2-D mesh: which rows they are is unknown
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -261,6 +297,7 @@ def _checks(rank, world):
     x = _logits((4, 3, 1001))
     record("1d-local", _runs_locally, mesh, x, y)
     record("1d-vocab-topk", _vocab_topk, mesh, x)
+    record("1d-vocab-kl", _vocab_kl, mesh, x)
     h, w = _logits((4, 16), seed=3, scale=1.0), _logits((1001, 16), seed=4, scale=0.3)
     record("1d-hidden", _hidden_vocab_shard, mesh, 0, [Replicate()], [Shard(0)], [Shard(0)], h, w, y[:, 0], "1-D")
     record("errors", _errors, mesh, x, y, world)

@@ -1,5 +1,6 @@
 """DTensor inputs: every public op on ``torch.distributed.tensor.DTensor`` logits (or hidden states
-and an lm_head weight), on a device mesh of any number of dims (tested: 1-D and 2-D).
+and an lm_head weight; ``kl_divergence``: a student's and a teacher's logits placed alike), on a
+device mesh of any number of dims (tested: 1-D and 2-D).
 
 The placements say what runs (docs/distributed.md#dtensor):
 
@@ -12,7 +13,7 @@ The placements say what runs (docs/distributed.md#dtensor):
   dims or strided) raises an error naming the placement, on every rank (placements are the same
   on every rank).
 
-Labels (and hidden states) are DTensors on the same mesh (redistributed to the logits' leading
+Labels, a mask, support ids (and hidden states) are DTensors on the same mesh (redistributed to the logits' leading
 placements when placed otherwise, replicated over the vocabulary's mesh dim) or plain tensors of
 this rank's local rows. The call itself is the plain call on the local tensors (``to_local``, which
 autograd differentiates), so validation, dispatch and the distributed path are the usual ones. The
@@ -33,9 +34,11 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 #: The arguments that may be DTensors.
-_DTENSOR_ARGS = ("logits", "hidden", "weight", "bias", "labels")
-#: kl_divergence's arguments that may be DTensors (refused with a sentence: not built yet).
-_KL_ARGS = ("student", "teacher", "student_weight", "teacher_weight", "mask", "support")
+_DTENSOR_ARGS = ("logits", "hidden", "weight", "bias", "labels", "student", "teacher", "mask", "support")
+#: The arguments that hold positions (the logits' leading dims, then perhaps K ids): placed like the rows.
+_ROW_ARGS = ("labels", "mask", "support")
+#: kl_divergence's hidden sides (refused with DTensor inputs, with a sentence: not built yet).
+_KL_WEIGHTS = ("student_weight", "teacher_weight")
 
 _REDISTRIBUTE = ("redistribute it first (x.redistribute(mesh, placements)), or pass x.to_local() / "
                  "x.full_tensor() as a plain tensor")
@@ -43,7 +46,7 @@ _REDISTRIBUTE = ("redistribute it first (x.redistribute(mesh, placements)), or p
 
 def involved(given: Mapping[str, Any]) -> bool:
     """Whether any argument of a public function's call is a DTensor."""
-    for name in _DTENSOR_ARGS + _KL_ARGS:
+    for name in _DTENSOR_ARGS + _KL_WEIGHTS:
         if isinstance(given.get(name), DTensor):
             return True
     return False
@@ -100,15 +103,19 @@ class _Plan:
         self.vocab_start: Optional[int] = None
         if op == "logprobs_from_hidden":
             self._hidden(given)
+        elif op == "kl_divergence":
+            self._kl(given)
         else:
-            self._logits(given)
-        labels = given.get("labels")
-        if isinstance(labels, DTensor):
-            _same_mesh(self.mesh, "labels", labels, self.main)
-            if tuple(labels.placements) != tuple(self.rows):
-                _leading("labels", labels, labels.ndim, None, "")  # Partial: refused, never summed
-                labels = labels.redistribute(self.mesh, self.rows)
-            self.local["labels"] = labels.to_local()
+            self._logits(given, "logits")
+        for name in _ROW_ARGS:
+            value = given.get(name)
+            if isinstance(value, DTensor):
+                _same_mesh(self.mesh, name, value, self.main)
+                if tuple(value.placements) != tuple(self.rows):  # Partial, or a sharded last dim of ids: refused
+                    _leading(name, value, len(self.lead), None, "only the positions' dims may be sharded, not the "
+                             "ids' last dim")
+                    value = value.redistribute(self.mesh, self.rows)
+                self.local[name] = value.to_local()
         for name, value in given.items():
             if name not in _DTENSOR_ARGS and isinstance(value, DTensor):
                 raise TypeError(f"{name} is a DTensor; only {', '.join(_DTENSOR_ARGS)} may be: pass {name} as a plain "
@@ -118,19 +125,41 @@ class _Plan:
             self.local["vocab_start"] = self.vocab_start
 
     # ---------------------------------------------------------------- the logits ops
-    def _logits(self, given: Mapping[str, Any]) -> None:
-        logits = given.get("logits")
-        self.main = "logits"
+    def _logits(self, given: Mapping[str, Any], name: str) -> None:
+        logits = given.get(name)
+        self.main = name
         if not isinstance(logits, DTensor):
-            raise TypeError(f"labels is a DTensor but logits is a plain {type(logits).__name__}; pass the logits as a "
-                            "DTensor too, or labels.to_local() (this rank's local rows)")
+            other = next(n for n in _DTENSOR_ARGS if isinstance(given.get(n), DTensor))
+            raise TypeError(f"{other} is a DTensor but {name} is a plain {type(logits).__name__}; pass {name} as a "
+                            f"DTensor too, or {other}.to_local() (this rank's local rows)")
         self.mesh, last = logits.device_mesh, logits.ndim - 1
         for i, p in enumerate(logits.placements):
             if p.is_shard() and getattr(p, "dim", None) == last:
-                self._vocab("logits", logits, i, last)
-        self.rows = _leading("logits", logits, last, self.vocab_dim, "", owns_vocab=True)
+                self._vocab(name, logits, i, last)
+        self.rows = _leading(name, logits, last, self.vocab_dim, "", owns_vocab=True)
         self.lead = tuple(logits.shape[:-1])
-        self.local["logits"] = logits.to_local()  # its gradient: a DTensor of the logits' placements
+        self.local[name] = logits.to_local()  # its gradient: a DTensor of the logits' placements
+
+    # ------------------------------------------------------------------ kl_divergence
+    def _kl(self, given: Mapping[str, Any]) -> None:
+        """Both sides logits DTensors placed alike: the student's plan, the teacher's local shard."""
+        for name in _KL_WEIGHTS:
+            if given.get(name) is not None:
+                raise NotImplementedError(
+                    f"kl_divergence with hidden sides ({name}=) and DTensor inputs is not supported yet: pass each "
+                    "side's local tensors (x.to_local()) with process_group= and vocab_start=, or logits DTensors")
+        self._logits(given, "student")
+        teacher = given.get("teacher")
+        if not isinstance(teacher, DTensor):
+            raise TypeError(f"student is a DTensor but teacher is a plain {type(teacher).__name__}; pass the teacher "
+                            "as a DTensor placed like the student")
+        _same_mesh(self.mesh, "teacher", teacher, "student")
+        if tuple(teacher.placements) != tuple(given["student"].placements) or teacher.shape != given["student"].shape:
+            raise ValueError(f"teacher is a DTensor of shape {tuple(teacher.shape)} placed "
+                             f"{_shown(teacher.placements)}, the student one of shape {tuple(given['student'].shape)} "
+                             f"placed {_shown(given['student'].placements)}: both sides must be placed alike "
+                             "(teacher.redistribute(mesh, student.placements))")
+        self.local["teacher"] = teacher.to_local()
 
     # ------------------------------------------------------------ logprobs_from_hidden
     def _hidden(self, given: Mapping[str, Any]) -> None:
@@ -223,10 +252,6 @@ def run(op: str, given: Mapping[str, Any], local_run: Callable[[str, Mapping[str
         if given.get(name) is not None:
             raise ValueError(f"{name}= was given with DTensor inputs; the group and this rank's vocabulary offset are "
                              "read from the DTensor's mesh and placements: leave process_group and vocab_start out")
-    if op == "kl_divergence":
-        raise NotImplementedError("kl_divergence with DTensor inputs is not supported yet: pass each side's local "
-                                  "vocabulary shard (x.to_local()) with process_group= and vocab_start=, or "
-                                  "x.full_tensor()")
     plan = _Plan(op, given)
     out = local_run(op, plan.local)
     lead = len(plan.lead)
