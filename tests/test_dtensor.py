@@ -227,6 +227,32 @@ def _vocab_kl(mesh, x):
         _close(d.grad.full_tensor(), full.grad, 1e-6, f"{what} gradient vs plain", rtol=2 * gradient_rounding(x.dtype))
 
 
+def _vocab_kl_hidden(mesh, h, w):
+    """kl_divergence of two hidden sides, each lm_head weight sharded by vocabulary rows (Shard(0))
+    and the hidden states replicated: the process_group path by hand, bitwise (the student's hidden
+    gradient complete, its weight gradient a vocabulary shard)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    start = _start(w.shape[0], mesh.size(0), mesh.get_local_rank(0))
+    ht, wt = _logits(tuple(h.shape), seed=8, scale=1.0), _logits(tuple(w.shape), seed=9, scale=0.3)
+    hs = distribute_tensor(h, mesh, [Replicate()]).requires_grad_()
+    ws = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+    got = lr.kl_divergence(hs, distribute_tensor(ht, mesh, [Replicate()]), student_weight=ws,
+                           teacher_weight=distribute_tensor(wt, mesh, [Shard(0)]), temperature=1.5, backend=B)
+    lh, lw = h.clone().requires_grad_(), ws.to_local().detach().clone().requires_grad_()
+    by_hand = lr.kl_divergence(lh, ht, student_weight=lw, teacher_weight=wt[start:start + lw.shape[0]],
+                               temperature=1.5, process_group=mesh.get_group(0), vocab_start=start, backend=B)
+    plain = lr.kl_divergence(h, ht, student_weight=w, teacher_weight=wt, temperature=1.5, backend=B)
+    assert tuple(got.placements) == (Replicate(),), got.placements
+    _equal(got.to_local(), by_hand, "kl hidden vs the process_group path")
+    _close(got.full_tensor(), plain, 1e-5, "kl hidden vs plain")
+    got.sum().backward()
+    by_hand.sum().backward()
+    assert tuple(hs.grad.placements) == (Replicate(),) and tuple(ws.grad.placements) == (Shard(0),)
+    _equal(hs.grad.to_local(), lh.grad, "kl hidden: hidden gradient vs the process_group path")
+    _equal(ws.grad.to_local(), lw.grad, "kl hidden: weight gradient vs the process_group path")
+
+
 def _errors(mesh, x, y, world):
     """Placements that cannot run, and mismatched meshes: a clear error, on every rank."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -257,9 +283,9 @@ def _errors(mesh, x, y, world):
         distribute_tensor(h, other, [Replicate()]), distribute_tensor(w, mesh, [Shard(0)]), y[:, 0]))
     raises(TypeError, "labels is a DTensor but logits is a plain", lambda: lr.logprobs_from_logits(
         x, distribute_tensor(y, mesh, [Replicate()])))
-    raises(NotImplementedError, "kl_divergence with hidden sides (student_weight=) and DTensor inputs",
-           lambda: lr.kl_divergence(distribute_tensor(h, mesh, [Replicate()]), distribute_tensor(h, mesh, [Replicate()]),
-                                    student_weight=distribute_tensor(w, mesh, [Shard(0)]), teacher_weight=w))
+    raises(ValueError, "both sides must be placed alike",  # a hidden student sharded, a whole teacher
+           lambda: lr.kl_divergence(h, distribute_tensor(x[:, 0], mesh, [Replicate()]),
+                                    student_weight=distribute_tensor(w, mesh, [Shard(0)])))
     raises(ValueError, "both sides must be placed alike",
            lambda: lr.kl_divergence(d, distribute_tensor(x, mesh, [Replicate()])))
     raises(TypeError, "student is a DTensor but teacher is a plain", lambda: lr.kl_divergence(d, x))
@@ -300,6 +326,7 @@ def _checks(rank, world):
     record("1d-vocab-kl", _vocab_kl, mesh, x)
     h, w = _logits((4, 16), seed=3, scale=1.0), _logits((1001, 16), seed=4, scale=0.3)
     record("1d-hidden", _hidden_vocab_shard, mesh, 0, [Replicate()], [Shard(0)], [Shard(0)], h, w, y[:, 0], "1-D")
+    record("1d-vocab-kl-hidden", _vocab_kl_hidden, mesh, h, w)
     record("errors", _errors, mesh, x, y, world)
     if world == 4:
         mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

@@ -1,6 +1,6 @@
 """DTensor inputs: every public op on ``torch.distributed.tensor.DTensor`` logits (or hidden states
-and an lm_head weight; ``kl_divergence``: a student's and a teacher's logits placed alike), on a
-device mesh of any number of dims (tested: 1-D and 2-D).
+and an lm_head weight; ``kl_divergence``: a student's and a teacher's side, each either, placed
+alike), on a device mesh of any number of dims (tested: 1-D and 2-D).
 
 The placements say what runs (docs/distributed.md#dtensor):
 
@@ -34,11 +34,10 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 #: The arguments that may be DTensors.
-_DTENSOR_ARGS = ("logits", "hidden", "weight", "bias", "labels", "student", "teacher", "mask", "support")
+_DTENSOR_ARGS = ("logits", "hidden", "weight", "bias", "labels", "student", "teacher", "student_weight",
+                 "teacher_weight", "mask", "support")
 #: The arguments that hold positions (the logits' leading dims, then perhaps K ids): placed like the rows.
 _ROW_ARGS = ("labels", "mask", "support")
-#: kl_divergence's hidden sides (refused with DTensor inputs, with a sentence: not built yet).
-_KL_WEIGHTS = ("student_weight", "teacher_weight")
 
 _REDISTRIBUTE = ("redistribute it first (x.redistribute(mesh, placements)), or pass x.to_local() / "
                  "x.full_tensor() as a plain tensor")
@@ -46,7 +45,7 @@ _REDISTRIBUTE = ("redistribute it first (x.redistribute(mesh, placements)), or p
 
 def involved(given: Mapping[str, Any]) -> bool:
     """Whether any argument of a public function's call is a DTensor."""
-    for name in _DTENSOR_ARGS + _KL_WEIGHTS:
+    for name in _DTENSOR_ARGS:
         if isinstance(given.get(name), DTensor):
             return True
     return False
@@ -101,6 +100,7 @@ class _Plan:
         self.local: Dict[str, Any] = dict(given)
         self.vocab_dim: Optional[int] = None
         self.vocab_start: Optional[int] = None
+        self.vocab_sharded: List[str] = []  # the arguments sharded by vocabulary
         if op == "logprobs_from_hidden":
             self._hidden(given)
         elif op == "kl_divergence":
@@ -142,54 +142,59 @@ class _Plan:
 
     # ------------------------------------------------------------------ kl_divergence
     def _kl(self, given: Mapping[str, Any]) -> None:
-        """Both sides logits DTensors placed alike: the student's plan, the teacher's local shard."""
-        for name in _KL_WEIGHTS:
-            if given.get(name) is not None:
-                raise NotImplementedError(
-                    f"kl_divergence with hidden sides ({name}=) and DTensor inputs is not supported yet: pass each "
-                    "side's local tensors (x.to_local()) with process_group= and vocab_start=, or logits DTensors")
-        self._logits(given, "student")
-        teacher = given.get("teacher")
-        if not isinstance(teacher, DTensor):
-            raise TypeError(f"student is a DTensor but teacher is a plain {type(teacher).__name__}; pass the teacher "
-                            "as a DTensor placed like the student")
-        _same_mesh(self.mesh, "teacher", teacher, "student")
-        if tuple(teacher.placements) != tuple(given["student"].placements) or teacher.shape != given["student"].shape:
-            raise ValueError(f"teacher is a DTensor of shape {tuple(teacher.shape)} placed "
-                             f"{_shown(teacher.placements)}, the student one of shape {tuple(given['student'].shape)} "
-                             f"placed {_shown(given['student'].placements)}: both sides must be placed alike "
-                             "(teacher.redistribute(mesh, student.placements))")
-        self.local["teacher"] = teacher.to_local()
+        """Each side planned as the logits ops plan logits, or (with its ``*_weight``) as
+        logprobs_from_hidden plans hidden states: the student's plan is the call's; the teacher's must
+        give the same mesh, rows and vocabulary shards."""
+        plans = []
+        for side in ("student", "teacher"):
+            if given.get(f"{side}_weight") is not None:
+                self._hidden(given, side, f"{side}_weight", None)
+            else:
+                self._logits(given, side)
+            plans.append((self.mesh, tuple(self.rows), self.lead))
+        (mesh, rows, lead), (t_mesh, t_rows, t_lead) = plans
+        if t_mesh != mesh:
+            raise ValueError(f"the student and the teacher are DTensors of different device meshes (student: {mesh}, "
+                             f"teacher: {t_mesh}); put both on the same mesh")
+        sharded = {name.split("_")[0] for name in self.vocab_sharded}
+        if (rows, lead) != (t_rows, t_lead) or (sharded and sharded != {"student", "teacher"}):
+            raise ValueError(f"the student's rows are {lead} placed {_shown(rows)} with its vocabulary "
+                             f"{'sharded' if 'student' in sharded else 'whole'}, the teacher's {t_lead} placed "
+                             f"{_shown(t_rows)} with its vocabulary {'sharded' if 'teacher' in sharded else 'whole'}: "
+                             "both sides must be placed alike (teacher.redistribute(mesh, student.placements))")
+        self.main = "student"
 
     # ------------------------------------------------------------ logprobs_from_hidden
-    def _hidden(self, given: Mapping[str, Any]) -> None:
-        hidden, weight, bias = given.get("hidden"), given.get("weight"), given.get("bias")
-        first = next(x for x in (hidden, weight, bias) if isinstance(x, DTensor)) \
-            if any(isinstance(x, DTensor) for x in (hidden, weight, bias)) else None
-        if first is None:
-            raise TypeError("labels is a DTensor but hidden and weight are plain tensors; pass the hidden states "
-                            "(or the weight) as a DTensor too, or labels.to_local() (this rank's local rows)")
+    def _hidden(self, given: Mapping[str, Any], hname: str = "hidden", wname: str = "weight",
+                bname: Optional[str] = "bias") -> None:
+        hidden, weight = given.get(hname), given.get(wname)
+        bias = given.get(bname) if bname else None
+        named = [(n, x) for n, x in ((hname, hidden), (wname, weight), (bname, bias)) if isinstance(x, DTensor)]
+        if not named:
+            other = next(n for n in _DTENSOR_ARGS if isinstance(given.get(n), DTensor))
+            raise TypeError(f"{other} is a DTensor but {hname} and {wname} are plain tensors; pass the hidden states "
+                            f"(or the weight) as a DTensor too, or {other}.to_local() (this rank's local rows)")
+        self.main, first = named[0]
         self.mesh = first.device_mesh
-        self.main = "hidden" if first is hidden else "weight" if first is weight else "bias"
         if isinstance(weight, DTensor):
-            _same_mesh(self.mesh, "weight", weight, self.main)
+            _same_mesh(self.mesh, wname, weight, self.main)
             for i, p in enumerate(weight.placements):
                 if p.is_shard() and getattr(p, "dim", None) == 0:
-                    self._vocab("weight", weight, i, 0)
+                    self._vocab(wname, weight, i, 0)
                 elif p.is_shard():
-                    raise _unsupported("weight", weight, i, "a sharded hidden dimension: the lm_head weight (V, H) may "
+                    raise _unsupported(wname, weight, i, "a sharded hidden dimension: the lm_head weight (V, H) may "
                                        "be sharded by vocabulary rows (Shard(0)) only")
                 elif not p.is_replicate():
-                    raise _unsupported("weight", weight, i, "only Replicate() and Shard(0) are supported; a Partial "
+                    raise _unsupported(wname, weight, i, "only Replicate() and Shard(0) are supported; a Partial "
                                        "value is a sum not taken yet")
         if isinstance(hidden, DTensor):
-            _same_mesh(self.mesh, "hidden", hidden, self.main)
-            self.rows = _leading("hidden", hidden, hidden.ndim - 1, self.vocab_dim,
+            _same_mesh(self.mesh, hname, hidden, self.main)
+            self.rows = _leading(hname, hidden, hidden.ndim - 1, self.vocab_dim,
                                  "a sharded hidden dimension: the hidden states may be sharded by positions only")
             self.lead = tuple(hidden.shape[:-1])
-            self.local["hidden"] = hidden.to_local()
+            self.local[hname] = hidden.to_local()
         elif self.mesh.ndim > 1:  # which rows it holds over the other mesh dims cannot be known
-            raise ValueError(f"hidden is a plain tensor but the weight is a DTensor on a {self.mesh.ndim}-D mesh "
+            raise ValueError(f"{hname} is a plain tensor but {wname} is a DTensor on a {self.mesh.ndim}-D mesh "
                              f"{tuple(self.mesh.shape)}: pass the hidden states as a DTensor on that mesh, placed "
                              "like its rows (Shard(0) over a data-parallel dim, Replicate() over the vocabulary's), "
                              "so that the result and the weight gradient carry the right placements")
@@ -198,14 +203,14 @@ class _Plan:
             self.lead = tuple(hidden.shape[:-1]) if isinstance(hidden, torch.Tensor) else ()
         # a weight replicated where the rows are sharded: each rank's gradient is its rows' share
         if isinstance(weight, DTensor):
-            self.local["weight"] = weight.to_local(grad_placements=self._shared(weight))
+            self.local[wname] = weight.to_local(grad_placements=self._shared(weight))
         if isinstance(bias, DTensor):
-            _same_mesh(self.mesh, "bias", bias, self.main)
+            _same_mesh(self.mesh, bname, bias, self.main)
             want = [Shard(0) if i == self.vocab_dim else Replicate() for i in range(self.mesh.ndim)]
             if [p for p in bias.placements] != want:
                 raise ValueError(f"bias is a DTensor placed {_shown(bias.placements)}; it must be placed like the "
                                  f"weight's vocabulary rows, {_shown(want)}; {_REDISTRIBUTE}")
-            self.local["bias"] = bias.to_local(grad_placements=self._shared(bias))
+            self.local[bname] = bias.to_local(grad_placements=self._shared(bias))
 
     def _shared(self, x: DTensor) -> List[Any]:
         return [Partial() if r.is_shard() else p for r, p in zip(self.rows, x.placements)]
@@ -214,11 +219,16 @@ class _Plan:
     def _vocab(self, name: str, x: DTensor, mesh_dim: int, dim: int) -> None:
         if type(x.placements[mesh_dim]) is not Shard:
             raise _unsupported(name, x, mesh_dim, "the vocabulary may be sharded by a plain Shard only")
-        if self.vocab_dim is not None:
+        if self.vocab_dim is not None and self.vocab_dim != mesh_dim:
             raise _unsupported(name, x, mesh_dim, f"the vocabulary is already sharded over mesh dim {self.vocab_dim}; "
                                "it may be sharded over one mesh dim only")
+        start = _offset(x, dim)
+        if self.vocab_dim is not None and start != self.vocab_start:  # kl_divergence's second side
+            raise _unsupported(name, x, mesh_dim, f"this rank's vocabulary starts at {start}, the other side's at "
+                               f"{self.vocab_start}: both sides must have the same vocabulary, sharded alike")
         self.vocab_dim = mesh_dim
-        self.vocab_start = _offset(x, dim)
+        self.vocab_start = start
+        self.vocab_sharded.append(name)
 
 
 def _offset(x: DTensor, dim: int) -> int:
