@@ -18,6 +18,7 @@ are not. Importing this module is cheap: it needs torch only (never Triton, neve
   ground truth in its result dtype;
 - batch-invariant matmuls: :data:`MIN_GEMM_ROWS`, :func:`pad_rows`, :func:`add_matmul`;
 - ignored rows: :func:`on_active_rows` (a per-row op run on the rows whose label is not ignored);
+- a frozen lm_head: :func:`label_minus_mean` (the hidden gradient from an accumulated ``softmax @ W``);
 - CUDA graphs: :func:`capturing` (no host reads of device values while a graph is captured);
 - the tile protocol of the shard ops (``shard_stats``, ``shard_grad``, ...): :data:`TILE`,
   :func:`n_tiles`, :func:`tiled`, :func:`tile_stats_`, :func:`tree_sum`, :func:`tree_sum_`,
@@ -91,6 +92,18 @@ def on_active_rows(run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], hi
         return None
     out = run(hidden.index_select(0, active), labels.index_select(0, active))
     return out.new_zeros(labels.shape[0]).index_copy(0, active, out)
+
+
+def label_minus_mean(mean: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, inv_t: float,
+                     rows: int = 1024) -> torch.Tensor:
+    """``(weight[labels] - mean) * inv_t``, written over ``mean`` (``softmax @ weight``, ``(N, H)``,
+    in the compute dtype) a block of ``rows`` rows at a time, so that no second ``(N, H)`` buffer
+    exists: the hidden gradient of ``logprobs_from_hidden`` with a frozen weight, once the forward
+    has accumulated ``softmax @ weight`` (online rescaling)."""
+    mean.neg_()
+    for r0 in range(0, mean.shape[0], rows):
+        mean[r0:r0 + rows].add_(weight.index_select(0, labels[r0:r0 + rows]).to(mean.dtype))
+    return mean if inv_t == 1.0 else mean.mul_(inv_t)
 
 
 def overlapping(x: torch.Tensor) -> bool:
@@ -207,6 +220,7 @@ __all__ = [
     "dtype_name",
     "first_order_only",
     "label_columns",
+    "label_minus_mean",
     "n_tiles",
     "next_power_of_two",
     "on_active_rows",

@@ -46,6 +46,21 @@ def plug():
         reg.remove_plugin(name)
 
 
+@pytest.fixture(scope="module")
+def world():
+    """This process alone in a gloo group (the same path as a larger group), for a module's tests."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already initialized in this process")
+    path = tempfile.mktemp(prefix="logprob-test-")
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
 # --------------------------------------------------------------------------------------------
 # This project's own run of the conformance suite (tests/test_conformance.py) covers every
 # eligible backend. Tests of an op or promise a backend does not declare are deselected here,

@@ -247,17 +247,6 @@ def test_vocab_start_without_a_group_and_bad_groups_are_refused():
         lr.logprobs_and_entropy(x, y, process_group=dist.GroupMember.NON_GROUP_MEMBER)
 
 
-@pytest.fixture(scope="module")
-def world():
-    """This process alone in a gloo group (the same path as a larger group)."""
-    if dist.is_initialized():
-        pytest.skip("torch.distributed is already initialized in this process")
-    path = tempfile.mktemp(prefix="logprob-test-")
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
 def test_other_dtypes_shapes_and_layouts(world, dtype):
     x = _logits((3, 5, 1000), dtype)

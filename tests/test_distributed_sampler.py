@@ -7,11 +7,9 @@ compared with each other and with the unsharded float64 reference."""
 from __future__ import annotations
 
 import functools
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import logprob_registry as lr
 from logprob_registry import reference as ref
@@ -55,17 +53,6 @@ def test_the_cases_drop_some_labels_on_every_rank(backend):
 
 
 # ------------------------------------------------------------------- in this process, a group of one
-@pytest.fixture(scope="module")
-def world():
-    """This process alone in a gloo group (the same path as a larger group)."""
-    if dist.is_initialized():
-        pytest.skip("torch.distributed is already initialized in this process")
-    path = tempfile.mktemp(prefix="logprob-test-")
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def _logits(shape, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * 3).to(dtype)
@@ -89,6 +76,17 @@ def test_a_label_outside_the_kept_set_gives_minus_inf_and_a_zero_gradient(world,
     torch.testing.assert_close(g.double(), gw, rtol=1e-5, atol=1e-6)
 
 
+def _truncations(g, n):
+    """Per-row ``top_k``, ``min_p`` and ``top_p`` for ``n`` rows, drawn from ``g``, each off on some rows."""
+    top_k = torch.randint(0, 60, (64,), generator=g)
+    top_k[::5] = 0
+    min_p = torch.rand(64, generator=g) * 0.2
+    min_p[::3] = 0.0
+    top_p = 0.5 + torch.rand(64, generator=g) * 0.5
+    top_p[::4] = 1.0
+    return top_k, min_p, top_p
+
+
 def test_per_row_top_k_top_p_and_min_p_equal_single_row_calls_bitwise(world):
     """64 rows with random top_k, top_p and min_p (some rows off), a softcap and entropy: each row
     equals the call of that row alone with its values as numbers, bitwise, with a group (chunked)."""
@@ -96,12 +94,7 @@ def test_per_row_top_k_top_p_and_min_p_equal_single_row_calls_bitwise(world):
     x = _logits((64, 8192), torch.bfloat16, seed=4)
     labels = torch.randint(0, 8192, (64,), generator=g)
     labels[::2] = x[::2].float().argmax(-1)
-    top_k = torch.randint(0, 60, (64,), generator=g)
-    top_k[::5] = 0
-    min_p = torch.rand(64, generator=g) * 0.2
-    min_p[::3] = 0.0
-    top_p = 0.5 + torch.rand(64, generator=g) * 0.5
-    top_p[::4] = 1.0
+    top_k, min_p, top_p = _truncations(g, 64)
     lp, ent = lr.logprobs_and_entropy(x, labels, process_group=world, backend="chunked", top_k=top_k, min_p=min_p,
                                       top_p=top_p, softcap=7.0)
     assert torch.isneginf(lp).any() and torch.isfinite(lp).any()
@@ -150,12 +143,7 @@ def test_per_row_values_and_temperature_equal_single_row_calls_bitwise(world, or
     labels[::2] = x[::2].float().argmax(-1)
     temperature = 0.5 + torch.rand(64, generator=g)
     temperature[::6] = 1.0
-    top_k = torch.randint(0, 60, (64,), generator=g)
-    top_k[::5] = 0
-    min_p = torch.rand(64, generator=g) * 0.2
-    min_p[::3] = 0.0
-    top_p = 0.5 + torch.rand(64, generator=g) * 0.5
-    top_p[::4] = 1.0
+    top_k, min_p, top_p = _truncations(g, 64)
     kw = dict(temperature=temperature, top_k=top_k, min_p=min_p, top_p=top_p, sampler=order)
     lp, ent = lr.logprobs_and_entropy(x, labels, process_group=world, backend="chunked", **kw)
     assert torch.isneginf(lp).any() and torch.isfinite(lp).any()

@@ -296,21 +296,6 @@ class ShardBackends:
                             priority=980, batch_invariant=True, group_invariant=True))
 
 
-@pytest.fixture(scope="module")
-def world():
-    """This process alone in a gloo group (the same path as a larger group)."""
-    import tempfile
-
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("torch.distributed is already initialized in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp(prefix='logprob-test-')}", rank=0,
-                            world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def test_a_process_group_call_under_strict_takes_a_group_invariant_backend(world):
     ran.clear()
     reg = lr.get_registry()

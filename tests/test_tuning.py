@@ -32,12 +32,17 @@ class Three:
 ENV = Environment.fake(torch="2.6.0")
 
 
-@pytest.fixture
-def registry(tmp_path, monkeypatch):
+def _tuned(tmp_path, monkeypatch, plugin, name):
+    """A registry of ``plugin`` alone whose ranking is a tuning file in ``tmp_path``."""
     monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", str(tmp_path / "tuning.json"))
     reg = Registry(builtins=(), entry_points=False, environment=ENV, ranking=cache.Tuning())
-    reg.add_plugin(Three(), name="three")
+    reg.add_plugin(plugin, name=name)
     return reg
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch):
+    return _tuned(tmp_path, monkeypatch, Three(), "three")
 
 
 def _write(path, entries, torch_version="2.6.0", versions=None, machine=None):
@@ -262,10 +267,7 @@ class Fused:
 
 @pytest.fixture
 def fused(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", str(tmp_path / "tuning.json"))
-    reg = Registry(builtins=(), entry_points=False, environment=ENV, ranking=cache.Tuning())
-    reg.add_plugin(Fused(), name="fused")
-    return reg
+    return _tuned(tmp_path, monkeypatch, Fused(), "fused")
 
 
 def test_hidden_buckets_and_the_key_of_the_fused_op():

@@ -45,6 +45,7 @@ from logprob_registry.kit import (
     MIN_GEMM_ROWS,
     add_matmul,
     backward_without_autocast,
+    label_minus_mean,
     on_active_rows,
     pad_rows,
     second_order_gradient,
@@ -223,13 +224,7 @@ def _forward(hidden, weight, bias, lab: _Labels, temperature, entropy, tiles: Pl
     lse = m_safe + s.log()
     logp = (zl - lse).masked_fill_(~lab.keep, 0.0)
     ent = None if t is None else lse - t / s
-    dh = None
-    if acc is not None:  # W[label] - acc / s, written over acc a block of rows at a time
-        dh = acc.div_(s.unsqueeze(1)).neg_()
-        for r0 in range(0, n, tiles.rows):
-            dh[r0:r0 + tiles.rows].add_(_block(weight.index_select(0, lab.index[r0:r0 + tiles.rows]), cd))
-        if inv_t != 1.0:
-            dh.mul_(inv_t)
+    dh = None if acc is None else label_minus_mean(acc.div_(s.unsqueeze(1)), weight, lab.index, inv_t, tiles.rows)
     return logp, lse, ent, dh
 
 

@@ -49,7 +49,7 @@ import torch
 
 import logprob_registry as lr
 from logprob_registry import reference as ref
-from logprob_registry.kit import MIN_GEMM_ROWS, on_active_rows, result_dtype, second_order_gradient
+from logprob_registry.kit import MIN_GEMM_ROWS, label_minus_mean, on_active_rows, result_dtype, second_order_gradient
 
 from ._kernels import INDUCTOR_OPTIONS, LN2, LOG2E, RECOMPILE_LIMIT, CompileError, _notice, compile_error
 
@@ -460,7 +460,7 @@ def _outputs(c: _Call, ignored: Optional[torch.Tensor], entropy: bool, accumulat
     ``d logp / d hidden`` per row, ``(W[label] - softmax @ W) / T`` ``(N, H)``: a frozen weight's
     backward is then one scale by the upstream gradient."""
     m, s, u, zl, acc = _forward(c, entropy, accumulate)
-    dh = None if acc is None else _label_minus_mean(acc.div_(s), c.weight, c.idx[:, 0], c.inv_t)
+    dh = None if acc is None else label_minus_mean(acc.div_(s), c.weight, c.idx[:, 0], c.inv_t)
     base = torch.where(m == -_INF, 0.0, m)
     log_s = s.log()
     logp = ((zl - base) * c.inv_t - log_s)[:, 0]
@@ -469,16 +469,6 @@ def _outputs(c: _Call, ignored: Optional[torch.Tensor], entropy: bool, accumulat
     ent = None if u is None else log_s + u * LN2 / s
     out_ent = None if ent is None else ent[:, 0].clone()
     return logp, out_ent, _Stats(base, log_s * LOG2E, ent, ignored), dh
-
-
-def _label_minus_mean(mean: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor, inv_t: float,
-                      rows: int = 1024) -> torch.Tensor:
-    """``(weight[idx] - mean) * inv_t``, written over ``mean`` (``softmax @ weight``, ``(N, H)``) a
-    block of ``rows`` rows at a time, so that no second ``(N, H)`` buffer exists."""
-    mean.neg_()
-    for r0 in range(0, mean.shape[0], rows):
-        mean[r0:r0 + rows].add_(weight.index_select(0, idx[r0:r0 + rows]).to(mean.dtype))
-    return mean if inv_t == 1.0 else mean.mul_(inv_t)
 
 
 class _FusedCompiled(torch.autograd.Function):
