@@ -15,9 +15,13 @@ from .ops import (
     logprobs_from_hidden,
     logprobs_from_logits,
     select,
+    token_stats,
     topk_logprobs,
 )
+from .opspec import TokenStats
 from .registry import BackendFallbackWarning, NoEligibleBackendError, get_registry, strict, use_backend
+from .registry import set_process_ranking as _set_process_ranking
+from .tuning.cache import Tuning as _Tuning
 
 __version__ = "0.2.0.dev0"
 
@@ -25,6 +29,7 @@ __all__ = [
     "Backend",
     "BackendFallbackWarning",
     "NoEligibleBackendError",
+    "TokenStats",
     "backends",
     "entropy_from_logits",
     "explain",
@@ -37,10 +42,14 @@ __all__ = [
     "next_token_labels",
     "select",
     "strict",
+    "token_stats",
     "topk_logprobs",
     "use_backend",
 ]
 
-# Detect the environment, load the plugins and resolve the default for the main device now:
-# cheap (no compilation, no kernel launch), never raising, and a broken plugin shows up at once.
+# The user's tuning file ranks the process-wide registry (wired here, above both: the registry
+# never imports tuning). Then detect the environment, load the plugins and resolve the default for
+# the main device: cheap (no compilation, no kernel launch), never raising, and a broken plugin
+# shows up at once.
+_set_process_ranking(_Tuning)
 get_registry().resolve_default(_call.key_for("logprobs"))

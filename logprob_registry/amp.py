@@ -13,17 +13,53 @@ forward's float32 statistics crash on mixed dtypes. A backward runs in whatever 
   (:func:`backward_without_autocast`), for a backward under autocast of a forward made outside it.
 
 Inputs are taken as they come: a bf16 tensor produced under autocast is bf16 logits.
+
+Backends reach :func:`enabled`, :func:`off` and :func:`backward_without_autocast` through
+:mod:`logprob_registry.kit` (``kit.autocast_enabled``, ``kit.autocast_off``,
+``kit.backward_without_autocast``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import functools
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
-from .kit import autocast_enabled as enabled
-from .kit import autocast_off as off
-from .kit import backward_without_autocast, second_order_gradient
+from .autograd import second_order_gradient
+
+
+def enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` tensors in this thread."""
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except (TypeError, RuntimeError):  # a torch before 2.4, or a device type it does not know
+        if device_type == "cpu":
+            return bool(torch.is_autocast_cpu_enabled())
+        return device_type == "cuda" and bool(torch.is_autocast_enabled())
+
+
+def off(device_type: str) -> ContextManager[Any]:
+    """A context with autocast disabled for ``device_type`` (nothing to do when it is off)."""
+    if not enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
+def backward_without_autocast(backward: Callable) -> Callable:
+    """Decorate an autograd Function's ``backward(ctx, *grads)`` to run with autocast disabled for
+    the device of its incoming gradients."""
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        device: Optional[torch.Tensor] = next((g for g in grads if isinstance(g, torch.Tensor)), None)
+        if device is None:
+            return backward(ctx, *grads)
+        with off(device.device.type):
+            return backward(ctx, *grads)
+
+    return run
 
 
 class _Isolated(torch.autograd.Function):

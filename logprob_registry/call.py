@@ -12,6 +12,7 @@ tensors (``select``, ``explain``, ``tune``, the suite, the distributed shard ops
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Iterable, Mapping, NamedTuple, Optional, Tuple, Union
 
@@ -19,18 +20,16 @@ import torch
 
 from . import config
 from . import validation as v
-from .opspec import OPS, OpSpec
+from .opspec import OPS, Context, OpSpec, Option
 from .opspec import get as get_spec
-from .registry.key import HIDDEN_KEYED, Key, hidden_bucket, vocab_bucket
+from .registry.key import Key, hidden_bucket, vocab_bucket
 from .sampler import NAMES as SAMPLER_NAMES
-from .sampler import OFF, PER_ROW, Sampler, check_sampler, check_temperature
+from .sampler import OFF, PER_ROW, Sampler, check_sampler
 
 _DEVICE_TYPE = re.compile(r"^([a-z][a-z0-9_]*)(:\d+)?$")
 _FUNCTORCH = frozenset({"functorch"})
 _CANDIDATES = frozenset({"candidates"})
 _PER_ROW = frozenset({PER_ROW})
-_OTHER_FEATURED = {name: tuple(o for o in spec.options if o.feature is not None and o.name not in SAMPLER_NAMES)
-                   for name, spec in OPS.items()}
 
 
 def _ordered(sampler: Sampler) -> bool:
@@ -63,7 +62,7 @@ def key_for(op: str, *, device: Union[str, torch.device, None] = None, dtype: Op
     else:
         raise ValueError(f"device must be a device type such as 'cpu', 'cuda' or 'cuda:1', got {device!r}")
     return Key(op, device_type, dtype or torch.float32, bool(requires_grad), frozenset(features),
-               vocab_bucket(vocab), hidden_bucket(hidden_size) if op in HIDDEN_KEYED else 0)
+               vocab_bucket(vocab), hidden_bucket(hidden_size) if OPS[op].keyed_by_hidden else 0)
 
 
 def shape_vocab(shape: Any) -> Optional[int]:
@@ -124,85 +123,66 @@ class Call(NamedTuple):
             return self.inputs[spec.inputs.index(name)]
         return self.options.get(name)
 
-    def shard_key(self, op: str, requires_grad: bool = False) -> Key:
-        """The key of the shard op ``op`` (``shard_stats``, ...) that the distributed path runs for this call."""
-        on = self.inputs[0]
-        return key_for(op, device=on.device, dtype=on.dtype, requires_grad=requires_grad)
+
+class Inputs(NamedTuple):
+    """What an op's form (:data:`FORMS`) makes of its inputs: the tensor whose device and dtype
+    select the backend (``on``), the vocabulary size, the validated inputs in the op's order, the
+    labels (or None), and the hidden size that keys the selection (0: none)."""
+
+    on: torch.Tensor
+    vocab: int
+    tensors: Tuple[torch.Tensor, ...]
+    labels: Optional[torch.Tensor]
+    hidden: int
 
 
-def validate(op: str, given: Mapping[str, Any]) -> Call:
-    """Check the arguments ``given`` to ``op``'s public function (its parameter names, as
-    ``locals()`` gives them; absent ones take their defaults) and return the :class:`Call`; a bad
-    argument raises the error that says what is wrong and how to fix it."""
-    spec = get_spec(op)
-    config.check()
-    group = given.get("process_group")
-    vocab_start = given.get("vocab_start")
-    if group is None and vocab_start is not None:
-        raise ValueError(f"vocab_start={vocab_start!r} was given without process_group; vocab_start places this "
-                         "rank's vocabulary shard within a process group: pass process_group= too, or neither")
-    sharded = group is not None
-    options = {o.name: given.get(o.name, o.default) for o in spec.options}
-    if op == "kl_divergence":
-        return _validate_kl(spec, given, options, group, vocab_start)
-    # inputs first, then the options, in the op table's order
-    if op == "logprobs_from_hidden":
-        hidden, weight, bias = v.check_hidden(given.get("hidden"), given.get("weight"), options["bias"])
-        options["bias"] = bias
-        on, vocab, tensors, grad_tensors = hidden, weight.shape[0], [hidden, weight], (hidden, weight, bias)
-        against = "hidden"
-    else:
-        on = v.check_logits(given.get("logits"))
-        vocab, tensors, grad_tensors, against = on.shape[-1], [on], (on,), "logits"
-    logits_shape = tuple(on.shape[:-1]) + (vocab,)
-    labels = None
-    if "labels" in spec.inputs:
-        labels = v.check_labels(given.get("labels"), on, against, candidates=True)
-        tensors.append(labels)
-    if "ignore_index" in options:
-        options["ignore_index"] = v.check_ignore_index(options["ignore_index"])
-        if not sharded:  # a shard's labels are checked once the whole vocabulary is known
-            v.check_label_range(labels, vocab, options["ignore_index"])
-    options["temperature"] = check_temperature(options["temperature"], logits_shape, on.device)
-    if "inplace_backward" in options:
-        options["inplace_backward"] = v.check_flag(options["inplace_backward"], "inplace_backward")
-    elif op == "logprobs_from_hidden":
-        options["return_entropy"] = v.check_flag(options["return_entropy"], "return_entropy")
-        options["logits_dtype"] = v.check_logits_dtype(options["logits_dtype"])
-    elif op == "topk_logprobs":
-        options["k"] = v.check_k(options["k"], vocab if not sharded else 1 << 62)  # a shard: against V later
-    if Sampler.in_use(given):  # else every sampler option is already None (OFF)
-        sampler = Sampler.validate(given, logits_shape, on.device, vocab=None if sharded else vocab)
-        options.update(sampler.keywords())
-    else:
-        sampler = OFF
-    if "sampler" in options:  # the engine's order matters only where top_k, top_p or min_p truncate
-        order = check_sampler(options["sampler"])
-        options["sampler"] = order if _ordered(sampler) else None
-    if sharded:
-        vocab_start = v.check_vocab_start(vocab_start)
-    features = sampler.features()
-    if isinstance(options["temperature"], torch.Tensor):
-        features = features | _PER_ROW
-    for option in _OTHER_FEATURED[op]:  # options besides the sampler's that need a feature (logits_dtype)
-        if option.used(options[option.name]):
-            features = features | {option.feature}
-    if labels is not None and v.has_candidates(labels, on):
-        features = features | _CANDIDATES
-    if v.inside_functorch_transform():
-        features = features | _FUNCTORCH
-    grad_on = torch.is_grad_enabled()
-    needs = tuple(bool(grad_on and t is not None and t.requires_grad) for t in grad_tensors)
-    key = Key(op, on.device.type, on.dtype, any(needs), features, vocab_bucket(vocab),
-              hidden_bucket(on.shape[-1]) if against == "hidden" else 0)
-    return Call(op, tuple(tensors), options, sampler, features, needs, key, vocab, given.get("backend"), group,
-                vocab_start)
+def _labels(spec: OpSpec, given: Mapping[str, Any], on: torch.Tensor, against: str) -> Optional[torch.Tensor]:
+    if "labels" not in spec.inputs or (given.get("labels") is None and "labels" in spec.optional_inputs):
+        return None
+    return v.check_labels(given.get("labels"), on, against, candidates=True)
 
 
-def _validate_kl(spec: OpSpec, given: Mapping[str, Any], options: dict, group: Any, vocab_start: Any) -> Call:
-    """:func:`validate` of ``kl_divergence``: each side logits ``(..., V)`` or hidden states with its
-    weight ``(V, H)``, the same positions and vocabulary; the teacher (and its weight) detached."""
-    sharded = group is not None
+def _tensors(spec: OpSpec, first: Tuple[torch.Tensor, ...], labels: Optional[torch.Tensor]) -> Tuple[Any, ...]:
+    """The validated inputs in the op's order: ``first``, then the labels where the op takes them
+    (None where they are optional and not given)."""
+    return first + (labels,) if "labels" in spec.inputs and (labels is not None or spec.optional_inputs) else first
+
+
+def _logits_form(spec: OpSpec, given: Mapping[str, Any], options: dict) -> Inputs:
+    """Logits ``(..., V)`` (and labels)."""
+    logits = v.check_logits(given.get(spec.inputs[0]))
+    labels = _labels(spec, given, logits, "logits")
+    return Inputs(logits, logits.shape[-1], _tensors(spec, (logits,), labels), labels, 0)
+
+
+def _hidden_form(spec: OpSpec, given: Mapping[str, Any], options: dict) -> Inputs:
+    """Hidden states ``(..., H)``, an lm_head ``weight (V, H)`` and the option ``bias`` (and labels)."""
+    hidden, weight, options["bias"] = v.check_hidden(given.get("hidden"), given.get("weight"), options.get("bias"))
+    labels = _labels(spec, given, hidden, "hidden")
+    return Inputs(hidden, weight.shape[0], _tensors(spec, (hidden, weight), labels), labels, hidden.shape[-1])
+
+
+def _either_form(spec: OpSpec, given: Mapping[str, Any], options: dict) -> Inputs:
+    """Logits ``(..., V)`` (the input ``inputs``), or hidden states ``(..., H)`` when the option
+    ``weight`` ``(V, H)`` is given (with the option ``bias``); and labels, or None."""
+    first = spec.inputs[0]
+    if options.get("weight") is None:
+        if options.get("bias") is not None:
+            raise ValueError("bias was given without weight: bias is added to inputs @ weight.T, so pass the lm_head "
+                             "weight (V, H) with it, or add the bias to the logits yourself")
+        logits = v.check_logits(given.get(first))
+        labels = _labels(spec, given, logits, first)
+        return Inputs(logits, logits.shape[-1], _tensors(spec, (logits,), labels), labels, 0)
+    hidden, weight, options["bias"] = v.check_hidden(given.get(first), options["weight"], options.get("bias"))
+    options["weight"] = weight
+    labels = _labels(spec, given, hidden, first)
+    return Inputs(hidden, weight.shape[0], _tensors(spec, (hidden,), labels), labels, hidden.shape[-1])
+
+
+def _sides_form(spec: OpSpec, given: Mapping[str, Any], options: dict) -> Inputs:
+    """A student and a teacher, each logits ``(..., V)`` or hidden states with its weight ``(V, H)``
+    (the options ``student_weight`` and ``teacher_weight``), the same positions and vocabulary; the
+    teacher (and its weight) detached: a target."""
     student, student_weight, vocab = v.check_side("student", given.get("student"), options["student_weight"])
     teacher, teacher_weight, teacher_vocab = v.check_side("teacher", given.get("teacher"), options["teacher_weight"])
     if tuple(student.shape[:-1]) != tuple(teacher.shape[:-1]):
@@ -213,37 +193,90 @@ def _validate_kl(spec: OpSpec, given: Mapping[str, Any], options: dict, group: A
         raise ValueError(f"the student's vocabulary ({vocab}) and the teacher's ({teacher_vocab}) differ: both must "
                          "score the same tokens (pad the smaller lm_head, or slice the larger)")
     v.check_same_device(teacher, student.device, "teacher", "student")
-    options["student_weight"], options["teacher_weight"] = student_weight, teacher_weight
-    if teacher_weight is not None:
-        options["teacher_weight"] = teacher_weight.detach()  # a target: no gradient reaches it
-    teacher = teacher.detach()
-    direction = options["direction"]
-    if direction not in ("forward", "reverse"):
-        raise ValueError(f'direction must be "forward" (KL(teacher || student)) or "reverse" (KL(student || '
-                         f'teacher)), got {direction!r}')
-    temperature = options["temperature"]
-    if isinstance(temperature, torch.Tensor) and temperature.numel() != 1:
-        raise TypeError(f"kl_divergence's temperature must be one positive number, got a tensor of shape "
-                        f"{tuple(temperature.shape)}: per-row temperatures are taken by the logprob ops, not by "
-                        "kl_divergence (divide each side's logits by its temperatures before the call)")
-    options["temperature"] = v.check_temperature(temperature)
-    lead = tuple(student.shape[:-1])
-    options["mask"] = v.check_mask(options["mask"], lead, student.device)
-    options["support"] = v.check_support(options["support"], lead, None if sharded else vocab, student.device)
-    options["tail"] = v.check_flag(options["tail"], "tail")
+    options["student_weight"] = student_weight
+    options["teacher_weight"] = None if teacher_weight is None else teacher_weight.detach()
+    hidden = max((x.shape[-1] for x, w in ((student, student_weight), (teacher, teacher_weight)) if w is not None),
+                 default=0)  # the larger hidden side's bucket: it bounds the work per row
+    return Inputs(student, vocab, (student, teacher.detach()), None, hidden)
+
+
+#: How each form of inputs (``OpSpec.form``) is validated: ``(spec, given, options) -> Inputs``,
+#: completing the options that are inputs of the form (``bias``, ``*_weight``) in place.
+FORMS = {"logits": _logits_form, "hidden": _hidden_form, "sides": _sides_form, "either": _either_form}
+
+
+def validate(op: str, given: Mapping[str, Any]) -> Call:
+    """Check the arguments ``given`` to ``op``'s public function (its parameter names, as
+    ``locals()`` gives them; absent ones take their defaults) and return the :class:`Call`; a bad
+    argument raises the error that says what is wrong and how to fix it. The inputs first (by the
+    op's form), then each option by its check, in the op table's order, then the sampler's keywords
+    as one value."""
+    spec = get_spec(op)
+    config.check()
+    group = given.get("process_group")
+    vocab_start = given.get("vocab_start")
+    if group is None and vocab_start is not None:
+        raise ValueError(f"vocab_start={vocab_start!r} was given without process_group; vocab_start places this "
+                         "rank's vocabulary shard within a process group: pass process_group= too, or neither")
+    sharded = group is not None
+    options = {o.name: given.get(o.name, o.default) for o in spec.options}
+    inputs = FORMS[spec.form](spec, given, options)
+    on, vocab = inputs.on, inputs.vocab
+    context = Context(tuple(on.shape[:-1]) + (vocab,), None if sharded else vocab, on.device, sharded,
+                      inputs.labels is not None, options)
+    checked, featured = _option_rules(spec)
+    for option in checked:
+        options[option.name] = option.check(options[option.name], context)
+    if inputs.labels is not None and not sharded:  # a shard's labels are checked once the whole vocabulary is known
+        v.check_label_range(inputs.labels, vocab, options.get("ignore_index"))
+    if Sampler.in_use(given):  # else every sampler option is already None (OFF)
+        sampler = Sampler.validate(given, context.shape, on.device, vocab=None if sharded else vocab)
+        options.update(sampler.keywords())
+    else:
+        sampler = OFF
+    if "sampler" in options:  # the engine's order matters only where top_k, top_p or min_p truncate
+        order = check_sampler(options["sampler"])
+        options["sampler"] = order if _ordered(sampler) else None
+    scale = v.check_logit_scale(given.get("logit_scale"))
+    if scale is not None:  # z = softcap(s x) / T = softcap_{c/s}(x) / (T / s): every backend and path has it
+        options["temperature"] = options["temperature"] / scale
+        if options.get("softcap") is not None:
+            options["softcap"] = options["softcap"] / scale
+            sampler = dataclasses.replace(sampler, softcap=options["softcap"])
     if sharded:
         vocab_start = v.check_vocab_start(vocab_start)
-    features = spec.features_used(options)
+    features = sampler.features()
+    if isinstance(options.get("temperature"), torch.Tensor):
+        features = features | _PER_ROW
+    for option in featured:
+        if option.used(options[option.name]):
+            features = features | {option.feature}
+    if inputs.labels is not None and v.has_candidates(inputs.labels, on):
+        features = features | _CANDIDATES
     if v.inside_functorch_transform():
         features = features | _FUNCTORCH
     grad_on = torch.is_grad_enabled()
-    needs = tuple(bool(grad_on and t is not None and t.requires_grad) for t in (student, student_weight))
-    hidden = max((s.shape[-1] for s, w in ((student, student_weight), (teacher, teacher_weight)) if w is not None),
-                 default=0)  # the larger hidden side's bucket: it bounds the work per row
-    key = Key("kl_divergence", student.device.type, student.dtype, any(needs), features, vocab_bucket(vocab),
-              hidden_bucket(hidden))
-    return Call("kl_divergence", (student, teacher), options, OFF, features, needs, key, vocab, given.get("backend"),
-                group, vocab_start)
+    named = dict(zip(spec.inputs, inputs.tensors))
+    needs = tuple(bool(grad_on and t is not None and t.requires_grad)
+                  for t in (named[n] if n in named else options.get(n) for n in spec.grad_inputs))
+    key = Key(op, on.device.type, on.dtype, any(needs), features, vocab_bucket(vocab),
+              hidden_bucket(inputs.hidden) if spec.keyed_by_hidden else 0)
+    return Call(op, inputs.tensors, options, sampler, features, needs, key, vocab, given.get("backend"), group,
+                vocab_start)
+
+
+def _option_rules(spec: OpSpec) -> Tuple[Tuple[Option, ...], Tuple[Option, ...]]:
+    """The options of ``spec`` that have a check (the sampler's keywords are checked together), and
+    those besides the sampler's that need a feature when used (``logits_dtype``, ``kl_hidden``'s)."""
+    found = _RULES.get(spec.name)
+    if found is None or found[0] is not spec:  # made once per op (an op registered again: anew)
+        checked = tuple(o for o in spec.options if o.check is not None)
+        featured = tuple(o for o in spec.options if o.feature is not None and o.name not in SAMPLER_NAMES)
+        found = _RULES[spec.name] = (spec, checked, featured)
+    return found[1], found[2]
+
+
+_RULES: dict = {}
 
 
 __all__ = ["OFF", "Call", "key_for", "shape_vocab", "validate"]

@@ -11,6 +11,8 @@ from typing import Callable
 
 import pluggy
 
+from .opspec import OPS
+
 PROJECT = "logprob_registry"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -25,20 +27,7 @@ def register_backends(register: Callable[..., None]) -> None:
     says, with the validated inputs as the caller gave them (shapes and strides untouched) and
     every keyword option, and returns what the public function returns::
 
-        logprobs(logits, labels, *, temperature, ignore_index, inplace_backward) -> logprobs
-        entropy(logits, *, temperature) -> entropy
-        logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward) -> (logprobs, entropy)
-        logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy) -> logprobs, or (logprobs, entropy) when return_entropy=True
-        topk_logprobs(logits, *, k, temperature) -> (values, ids)
-        kl_divergence(student, teacher, *, direction, temperature, mask, tail) -> kl
-        shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy) -> (tile_max, tile_sumexp, tile_elog, label_logits)
-        shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature, inplace_backward) -> grad_logits
-        hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy) -> (tile_max, tile_sumexp, tile_elog, label_logits)
-        hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start, tile, temperature, needs_grad) -> (grad_hidden, grad_weight, grad_bias)
-        shard_topk(logits, *, vocab_start, temperature, k, decision) -> (values, ids)
-        hidden_shard_topk(hidden, weight, *, bias, vocab_start, temperature, k, decision) -> (values, ids)
-        kl_shard_stats(student, teacher, *, student_weight, teacher_weight, vocab_start, tile, temperature, direction) -> (student_max, student_sumexp, teacher_max, teacher_sumexp, cross)
-        kl_shard_grad(student, teacher, lse_student, lse_teacher, kl, grad_kl, mask, *, student_weight, teacher_weight, vocab_start, tile, temperature, direction, needs_grad) -> (grad_student, grad_student_weight)
+        {signatures}
 
     ``kl_divergence`` receives the teacher (and its weight) detached, ``mask`` a bool ``(...)`` or
     None, ``direction`` "forward" or "reverse" (docs/distillation.md). ``logits`` is ``(..., V)`` of
@@ -57,3 +46,8 @@ def register_backends(register: Callable[..., None]) -> None:
     Keep the module that implements this light: it is imported by ``import logprob_registry``.
     Import kernel libraries inside the op functions, and name them in ``Backend.requires``.
     """
+
+
+# The op table's calls, one line each, as OpSpec.signature() writes them.
+register_backends.__doc__ = (register_backends.__doc__ or "").replace(
+    "{signatures}", "\n        ".join(spec.signature() for spec in OPS.values()))

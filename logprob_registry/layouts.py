@@ -1,6 +1,7 @@
 """Labels of a next-token objective in the layouts of distributed training: ``next_token_labels``.
 
-``labels[t] = input_ids[t + 1]`` when ``t + 1`` is in the same sequence, else ``ignore_index``, so
+``labels[t] = input_ids[t + offset]`` (``offset`` 1: the next token; more for a multi-token-prediction
+head) when ``t + offset`` is in the same sequence, else ``ignore_index``, so
 ``lr.logprobs_from_logits(logits, labels, ignore_index=-100)`` (any op, with or without
 ``process_group=``) needs no ``logits[:, :-1]`` slice and no hand-made shift (docs/layouts.md).
 
@@ -18,8 +19,8 @@ How a context-parallel call runs:
 2. one small int64 all-gather (the header): every rank's error, if it met one, and what must agree
    (layout, shape, ``ignore_index``, a checksum of the boundaries); every rank raises the same
    error, or none, before anything could hang (the convention of :mod:`.distributed.header`);
-3. one point-to-point exchange (``batch_isend_irecv``) with the neighbouring ranks: the tokens of
-   the chunk boundaries, one int64 per boundary and row, nothing else.
+3. one point-to-point exchange (``batch_isend_irecv``) with the ranks holding the tokens: those
+   within ``offset`` of the chunk boundaries, ``offset`` int64 per boundary and row, nothing else.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ import torch
 from .distributed.header import ERRORS, MESSAGE_BYTES, GroupMismatchError, checksums
 
 LAYOUTS = ("contiguous", "zigzag")
-_MAGIC = 0x6C70_7267_4E54  # "lprg" "NT": the next_token_labels header, protocol version 1
-(_MAGIC_, _ERROR, _LENGTH, _LAYOUT, _ROWS, _LOCAL, _IGNORE, _MODE, _SUM1, _SUM2, _MESSAGE) = range(11)
+_MAGIC = 0x6C70_7267_4E55  # "lprg" "NU": the next_token_labels header, protocol version 2 (with the offset)
+(_MAGIC_, _ERROR, _LENGTH, _LAYOUT, _ROWS, _LOCAL, _IGNORE, _MODE, _SUM1, _SUM2, _OFFSET, _MESSAGE) = range(12)
 _WIDTH = _MESSAGE + MESSAGE_BYTES // 8
 _MODES = ("rows", "cu_seqlens", "position_ids")
 
@@ -52,11 +53,13 @@ def exchanged(reset: bool = False) -> int:
 
 def next_token_labels(input_ids: torch.Tensor, *, cu_seqlens: Union[torch.Tensor, Sequence[int], None] = None,
                       position_ids: Optional[torch.Tensor] = None, ignore_index: int = -100,
-                      cp_group: object = None, cp_layout: str = "contiguous") -> torch.Tensor:
+                      cp_group: object = None, cp_layout: str = "contiguous", offset: int = 1) -> torch.Tensor:
     """The labels of a next-token objective: int64, of ``input_ids``' shape and device.
 
-    ``labels[t] = input_ids[t + 1]`` when ``t + 1`` is in the same sequence, else ``ignore_index``
-    (the last position of every sequence, never a token of the next sequence).
+    ``labels[t] = input_ids[t + offset]`` when ``t + offset`` is in the same sequence, else
+    ``ignore_index`` (the last ``offset`` positions of every sequence, never a token of the next
+    sequence). ``offset``: an int >= 1; 1 is the next token, ``k`` the token a multi-token-prediction
+    head's ``k``-th depth scores.
 
     - ``input_ids``: integer ``(B, T)`` (each row a sequence, unless ``position_ids`` cut it), or a
       packed stream ``(T,)`` / ``(1, T)``.
@@ -75,13 +78,13 @@ def next_token_labels(input_ids: torch.Tensor, *, cu_seqlens: Union[torch.Tensor
     same, before any exchange.
     """
     if cp_group is None:
-        return _labels(_plan(input_ids, cu_seqlens, position_ids, ignore_index, cp_layout, 1, 0, False), None)
+        return _labels(_plan(input_ids, cu_seqlens, position_ids, ignore_index, cp_layout, 1, 0, False, offset), None)
     from .distributed.group import resolve
 
     group = resolve(cp_group)  # raises at once, on this rank only: a non-member takes part in nothing
     try:
         plan: Union[_Plan, BaseException] = _plan(input_ids, cu_seqlens, position_ids, ignore_index, cp_layout,
-                                                  group.size, group.rank, True)
+                                                  group.size, group.rank, True, offset)
     except Exception as exc:  # raised on every rank after the header
         plan = exc
     device = group.device_for(input_ids if isinstance(input_ids, torch.Tensor) else None)
@@ -101,8 +104,10 @@ class _Plan:
     layout: int                   # index in LAYOUTS
     mode: int                     # index in _MODES
     description: torch.Tensor     # cu_seqlens or position_ids (int64, CPU), for the checksum
-    next_local: torch.Tensor      # (T_local,) bool: the next token is this rank's next position
-    ignore: torch.Tensor          # (1 or B, T_local) bool: the next position starts a sequence or is the end
+    next_local: torch.Tensor      # (T_local,) bool: the token offset ahead is this rank's
+    next_index: torch.Tensor      # (T_local,) int64: its local position there
+    ignore: torch.Tensor          # (1 or B, T_local) bool: a sequence starts within offset ahead, or the end
+    offset: int = 1
     recv: Dict[int, torch.Tensor] = field(default_factory=dict)  # peer -> local positions whose next token it holds
     send: Dict[int, torch.Tensor] = field(default_factory=dict)  # peer -> local positions of tokens it needs
 
@@ -119,7 +124,8 @@ def _integer(x: object, name: str) -> torch.Tensor:
     return x.detach().to("cpu", torch.int64)
 
 
-def _plan(input_ids, cu_seqlens, position_ids, ignore_index, cp_layout, cp: int, rank: int, grouped: bool) -> _Plan:
+def _plan(input_ids, cu_seqlens, position_ids, ignore_index, cp_layout, cp: int, rank: int, grouped: bool,
+          offset: int = 1) -> _Plan:
     ids = input_ids
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"input_ids must be an integer tensor, got {type(ids).__name__}")
@@ -129,6 +135,12 @@ def _plan(input_ids, cu_seqlens, position_ids, ignore_index, cp_layout, cp: int,
         raise ValueError(f"input_ids must be (T,) (a packed stream), (1, T) or (B, T), got shape {tuple(ids.shape)}")
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not isinstance(offset, int) or isinstance(offset, bool):
+        raise TypeError(f"offset must be an int >= 1 (how many tokens ahead the label is), got "
+                        f"{type(offset).__name__}")
+    if offset < 1:
+        raise ValueError(f"offset must be >= 1 (1: the next token; k: the token k positions ahead, as a "
+                         f"multi-token-prediction head scores), got {offset}")
     if cp_layout not in LAYOUTS:
         raise ValueError(f"cp_layout must be one of {', '.join(map(repr, LAYOUTS))}, got {cp_layout!r}")
     if cu_seqlens is not None and position_ids is not None:
@@ -195,19 +207,22 @@ def _plan(input_ids, cu_seqlens, position_ids, ignore_index, cp_layout, cp: int,
                          f"of {2 * cp} (as TransformerEngine's THD layout requires), or use cp_layout='contiguous'")
 
     gpos = _positions(segments, lengths, cp, rank, local, zigzag)
-    follows = gpos[1:] == gpos[:-1] + 1
-    next_local = torch.zeros(local, dtype=torch.bool)
-    prev_local = torch.zeros(local, dtype=torch.bool)
-    next_local[:-1], prev_local[1:] = follows, follows
-    segment_mark = torch.zeros(total + 1, dtype=torch.bool)
-    segment_mark[segments] = True
+    segment = torch.searchsorted(segments, gpos, right=True) - 1  # the layout segment of each position
+    seg_start, seg_end = segments[segment], segments[(segment + 1).clamp(max=segments.numel() - 1)]
+    ahead, behind = gpos + offset, gpos - offset
+    index = torch.searchsorted(gpos, ahead).clamp(max=max(local - 1, 0))
+    next_local = (ahead < seg_end) & (gpos[index] == ahead) if local else torch.zeros(0, dtype=torch.bool)
+    held_behind = torch.searchsorted(gpos, behind).clamp(max=max(local - 1, 0))
+    prev_local = (behind >= seg_start) & (gpos[held_behind] == behind) if local else next_local
+    marks = boundary.to(torch.int64).cumsum(1)  # a sequence start (or the end) within (g, g + offset]: ignored
+    ignore = marks[:, ahead.clamp(max=total)] - marks[:, gpos] > 0
     plan = _Plan(rows2, tuple(ids.shape), ignore_index, LAYOUTS.index(cp_layout), mode, description,
-                 next_local, boundary[:, gpos + 1])
+                 next_local, index, ignore, offset)
     if cp > 1:
-        recv = (~next_local & ~segment_mark[gpos + 1]).nonzero().flatten()
-        send = (~prev_local & ~segment_mark[gpos]).nonzero().flatten()
-        source = _owner(gpos[recv] + 1, segments, lengths, cp, local, zigzag)
-        target = _owner(gpos[send] - 1, segments, lengths, cp, local, zigzag)
+        recv = (~next_local & (ahead < seg_end)).nonzero().flatten()
+        send = (~prev_local & (behind >= seg_start)).nonzero().flatten()
+        source = _owner(ahead[recv], segments, lengths, cp, local, zigzag)
+        target = _owner(behind[send], segments, lengths, cp, local, zigzag)
         for peer in sorted(set(source.tolist())):
             plan.recv[peer] = recv[source == peer]
         for peer in sorted(set(target.tolist())):
@@ -254,7 +269,7 @@ def _row(plan: Union[_Plan, BaseException]) -> torch.Tensor:
         values[_MESSAGE:] = struct.unpack(f"<{MESSAGE_BYTES // 8}q", raw + b"\0" * (MESSAGE_BYTES - len(raw)))
         return torch.tensor(values, dtype=torch.int64)
     values[_LAYOUT], values[_ROWS], values[_LOCAL] = plan.layout, plan.ids.shape[0], plan.ids.shape[1]
-    values[_IGNORE], values[_MODE] = plan.ignore_index, plan.mode
+    values[_IGNORE], values[_MODE], values[_OFFSET] = plan.ignore_index, plan.mode, plan.offset
     if plan.description.numel():
         values[_SUM1], values[_SUM2] = checksums(plan.description).tolist()
     return torch.tensor(values, dtype=torch.int64)
@@ -275,7 +290,8 @@ def _agree(group, plan: Union[_Plan, BaseException], device: torch.device) -> No
                                  "protocol; install the same logprob-registry version on every rank")
     checks = ((_LAYOUT, "cp_layout", lambda v: LAYOUTS[v]), (_ROWS, "the number of rows of input_ids", str),
               (_LOCAL, "the number of positions per rank (every rank holds T / cp of the sequence dim)", str),
-              (_IGNORE, "ignore_index", str), (_MODE, "how sequences are given", lambda v: _MODES[v]))
+              (_IGNORE, "ignore_index", str), (_MODE, "how sequences are given", lambda v: _MODES[v]),
+              (_OFFSET, "offset", str))
     for column, what, show in checks:
         others = [r for r, row in enumerate(table) if row[column] != table[0][column]]
         if others:
@@ -292,8 +308,8 @@ def _agree(group, plan: Union[_Plan, BaseException], device: torch.device) -> No
 def _labels(plan: _Plan, group, device: Optional[torch.device] = None) -> torch.Tensor:
     ids = plan.ids
     out = torch.full(ids.shape, plan.ignore_index, dtype=torch.int64, device=ids.device)
-    here = plan.next_local.nonzero().flatten().to(ids.device)
-    out[:, here] = ids[:, here + 1].long()
+    here = plan.next_local.nonzero().flatten()
+    out[:, here.to(ids.device)] = ids[:, plan.next_index[here].to(ids.device)].long()
     if group is not None and (plan.recv or plan.send):
         import torch.distributed as dist
 

@@ -92,12 +92,14 @@ def tolerance(logits: torch.Tensor, temperature: float = 1.0, magnitude_bound: O
 def tolerances(op: str, logits: torch.Tensor, temperature: float = 1.0,
                magnitude_bound: Optional[float] = None, options: Optional[Mapping[str, Any]] = None) -> tuple:
     """The tolerance of each output of ``op`` (those a call with ``options`` returns, as the op table
-    names them), in the order the op returns them: an entropy's, or a log-probability's (the
-    values of ``topk_logprobs`` too)."""
+    names them), in the order the op returns them: by each output's ``judged_as`` in the op table, an
+    entropy's, or a log-probability's (the values of ``topk_logprobs`` too)."""
     from .opspec import get
 
-    return tuple(tolerance(logits, temperature, magnitude_bound, "entropy" if name == "entropy" else "logprobs")
-                 for name in get(op).output_names(options))
+    spec = get(op)
+    return tuple(tolerance(logits, temperature, magnitude_bound,
+                           "entropy" if spec.result(name).judged_as == "entropy" else "logprobs")
+                 for name in spec.output_names(options))
 
 
 def gradient_rounding(dtype: torch.dtype) -> float:

@@ -4,7 +4,7 @@ returns what the backend returned. Their signatures are the public API; their bo
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Tuple, Union
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -12,6 +12,7 @@ from . import amp
 from . import validation as v
 from .backend import Backend
 from .call import Call, key_for, shape_vocab, validate
+from .opspec import FUNCTIONS, OPS, TokenStats
 from .registry import get_registry
 from .report import Explanation
 
@@ -29,11 +30,12 @@ def _dtensor_imported() -> bool:
     return getattr(getattr(_torch_dist, "tensor", None), "DTensor", None) is not None
 
 
-def _run(op: str, given: Mapping[str, Any]) -> Any:
+def run(op: str, given: Mapping[str, Any]) -> Any:
     """Validate the public function's arguments ``given`` and run the call (DTensor arguments: the
-    plain call on their local tensors, :mod:`.distributed.dtensor`)."""
-    if _dtensor_imported() and _dtensor().involved(given):
-        return _dtensor().run(op, given, _run)
+    plain call on their local tensors, :mod:`.distributed.dtensor`): the body of every public
+    function, ``run(op, locals())``."""
+    if _dtensor_imported() and _dtensor().involved(op, given):
+        return _dtensor().run(op, given, run)
     if given.get("process_group") is None:
         return dispatch(validate(op, given))
     from .distributed import sharded
@@ -72,6 +74,7 @@ def logprobs_from_logits(
     temperature: Union[float, torch.Tensor] = 1.0,
     ignore_index: Optional[int] = None,
     inplace_backward: bool = False,
+    logit_scale: Optional[float] = None,
     softcap: Optional[float] = None,
     top_k: Union[int, torch.Tensor, None] = None,
     top_p: Union[float, torch.Tensor, None] = None,
@@ -87,7 +90,8 @@ def logprobs_from_logits(
     ``logits`` has shape ``(..., V)`` and any strides; ``labels`` has shape ``(...)``, or
     ``(..., K)`` for K candidate tokens per position. The result is float32 (float64 for float64
     logits) of the labels' shape. Positions whose label equals ``ignore_index`` give 0 and a zero
-    gradient. The logits are processed as a sampler does (vLLM's order): ``softcap``, division by
+    gradient. The logits are processed as a sampler does (vLLM's order): ``logit_scale`` multiplies
+    them (a scaled head's constant), then ``softcap``, division by
     ``temperature``, then ``min_p``, ``top_k``, ``top_p`` and ``keep`` truncate the distribution,
     renormalised over the kept tokens; a label outside them gives ``-inf`` and a zero gradient.
     ``temperature``, ``top_k``, ``top_p`` and ``min_p`` each take a number, or one value per position:
@@ -106,13 +110,14 @@ def logprobs_from_logits(
     V_local``, then every shard must have the same width), and ``labels`` are global ids, the same on
     every rank; every rank gets the complete result (docs/distributed.md).
     """
-    return _run("logprobs", locals())
+    return run("logprobs", locals())
 
 
 def entropy_from_logits(
     logits: torch.Tensor,
     *,
     temperature: Union[float, torch.Tensor] = 1.0,
+    logit_scale: Optional[float] = None,
     softcap: Optional[float] = None,
     top_k: Union[int, torch.Tensor, None] = None,
     top_p: Union[float, torch.Tensor, None] = None,
@@ -126,7 +131,7 @@ def entropy_from_logits(
     """Entropy of the processed distribution (see :func:`logprobs_from_logits`) over the last
     dimension, in at least fp32. ``process_group``, ``vocab_start``: a vocabulary shard, as in
     :func:`logprobs_from_logits`."""
-    return _run("entropy", locals())
+    return run("entropy", locals())
 
 
 def logprobs_and_entropy(
@@ -136,6 +141,7 @@ def logprobs_and_entropy(
     temperature: Union[float, torch.Tensor] = 1.0,
     ignore_index: Optional[int] = None,
     inplace_backward: bool = False,
+    logit_scale: Optional[float] = None,
     softcap: Optional[float] = None,
     top_k: Union[int, torch.Tensor, None] = None,
     top_p: Union[float, torch.Tensor, None] = None,
@@ -149,7 +155,7 @@ def logprobs_and_entropy(
     """``(logprobs, entropy)`` in one call, both of the same processed distribution; see
     :func:`logprobs_from_logits` (``process_group`` and ``vocab_start`` included). The entropy of
     an ignored position is computed as usual."""
-    return _run("logprobs_and_entropy", locals())
+    return run("logprobs_and_entropy", locals())
 
 
 def logprobs_from_hidden(
@@ -161,6 +167,7 @@ def logprobs_from_hidden(
     temperature: Union[float, torch.Tensor] = 1.0,
     ignore_index: Optional[int] = None,
     return_entropy: bool = False,
+    logit_scale: Optional[float] = None,
     softcap: Optional[float] = None,
     top_k: Union[int, torch.Tensor, None] = None,
     top_p: Union[float, torch.Tensor, None] = None,
@@ -185,7 +192,7 @@ def logprobs_from_hidden(
     placed at ``vocab_start`` (see :func:`logprobs_from_logits`); every rank gets the complete result
     and, in backward, the complete hidden gradient (every rank must run the backward).
     """
-    return _run("logprobs_from_hidden", locals())
+    return run("logprobs_from_hidden", locals())
 
 
 def topk_logprobs(
@@ -193,6 +200,7 @@ def topk_logprobs(
     k: int,
     *,
     temperature: Union[float, torch.Tensor] = 1.0,
+    logit_scale: Optional[float] = None,
     softcap: Optional[float] = None,
     top_k: Union[int, torch.Tensor, None] = None,
     top_p: Union[float, torch.Tensor, None] = None,
@@ -209,7 +217,7 @@ def topk_logprobs(
     KL-to-teacher losses; differentiable through ``values``. ``process_group``, ``vocab_start``: a
     vocabulary shard, as in :func:`logprobs_from_logits`; every rank gets the complete values and
     global ids (``k`` up to the whole vocabulary)."""
-    return _run("topk_logprobs", locals())
+    return run("topk_logprobs", locals())
 
 
 def kl_divergence(
@@ -217,7 +225,9 @@ def kl_divergence(
     teacher: torch.Tensor,
     *,
     direction: str = "forward",
+    beta: float = 0.5,
     temperature: float = 1.0,
+    logit_scale: Optional[float] = None,
     mask: Optional[torch.Tensor] = None,
     student_weight: Optional[torch.Tensor] = None,
     teacher_weight: Optional[torch.Tensor] = None,
@@ -230,9 +240,11 @@ def kl_divergence(
     """The KL divergence between the student's and the teacher's distributions at each position:
     float32 of the positions' shape ``(...)`` (float64 for float64 input), accumulated in fp32.
 
-    ``direction="forward"`` is ``KL(teacher || student)``, ``"reverse"`` ``KL(student || teacher)``;
+    ``direction="forward"`` is ``KL(teacher || student)``, ``"reverse"`` ``KL(student || teacher)``,
+    ``"jsd"`` the generalized Jensen-Shannon divergence ``beta KL(T || M) + (1 - beta) KL(S || M)`` with
+    ``M = beta T + (1 - beta) S`` (TRL's; ``beta`` in (0, 1), ignored by the other directions);
     ``temperature`` (a number: per-row temperatures are the logprob ops') divides both sides' logits
-    (no ``T**2`` factor). Each side is logits ``(..., V)``,
+    (no ``T**2`` factor); ``logit_scale`` multiplies both sides' logits first. Each side is logits ``(..., V)``,
     or hidden states ``(..., H)`` with its lm_head ``*_weight`` ``(V, H)`` (its logits are then never
     materialised). ``mask`` (bool, ``(...)``): False positions give 0 and a zero gradient.
     ``support`` (int ids ``(..., K)``, distinct per position): both distributions restricted to those
@@ -241,7 +253,44 @@ def kl_divergence(
     (and ``student_weight``) only: the teacher is a detached target. ``process_group``,
     ``vocab_start``: both sides are this rank's vocabulary shards, as in
     :func:`logprobs_from_logits` (docs/distillation.md)."""
-    return _run("kl_divergence", locals())
+    return run("kl_divergence", locals())
+
+
+def token_stats(
+    inputs: torch.Tensor,
+    labels: Optional[torch.Tensor] = None,
+    *,
+    weight: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    outputs: Sequence[str] = ("logprobs", "entropy"),
+    temperature: Union[float, torch.Tensor] = 1.0,
+    ignore_index: Optional[int] = None,
+    logit_scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    top_k: Union[int, torch.Tensor, None] = None,
+    top_p: Union[float, torch.Tensor, None] = None,
+    min_p: Union[float, torch.Tensor, None] = None,
+    keep: Optional[torch.Tensor] = None,
+    sampler: str = "vllm",
+    process_group: Any = None,
+    vocab_start: Optional[int] = None,
+    backend: Optional[str] = None,
+) -> TokenStats:
+    """Every statistic of a position in one pass over the vocabulary: an :class:`TokenStats` whose
+    fields named in ``outputs`` are computed (the others None).
+
+    ``inputs`` are logits ``(..., V)``, or hidden states ``(..., H)`` when ``weight`` ``(V, H)`` (and
+    ``bias`` ``(V,)``) is given, whose logits are then never formed. The fields: ``logprobs`` and
+    ``entropy`` of the processed distribution (as :func:`logprobs_and_entropy`, bitwise where a backend
+    has both); ``raw_logprobs`` and ``raw_entropy`` before truncation (``logit_scale``, ``softcap`` and
+    ``temperature`` applied; no ``top_k``/``top_p``/``min_p``/``keep``); ``log_sum_p2``, log of the sum
+    of the squared probabilities of the processed distribution; ``mean_logit`` and ``max_logit`` of
+    ``z = softcap(logit_scale * x) / temperature`` over the vocabulary; ``is_argmax`` (bool), whether
+    the label is the processed logits' argmax (the first maximum wins). ``labels`` ``(...)`` are needed
+    by ``logprobs``, ``raw_logprobs`` and ``is_argmax``; at ``ignore_index`` those give 0 (False). The
+    first four are differentiable (to ``inputs``, ``weight`` and ``bias``), the other four are not.
+    Every other keyword as in :func:`logprobs_from_logits`."""
+    return run("token_stats", locals())
 
 
 def _key(op: str, device, dtype, requires_grad: bool, shape=None, hidden_size=None):
@@ -286,3 +335,8 @@ def explain(
 def backends() -> list:
     """Every registered backend, eligible or not, highest priority first."""
     return get_registry().backends()
+
+
+# Each op's public function, by the name the op table gives it (opspec.FUNCTIONS).
+FUNCTIONS.update({name: globals()[spec.function] for name, spec in OPS.items()
+                  if spec.function is not None and spec.function in globals()})

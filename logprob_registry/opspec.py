@@ -26,24 +26,119 @@ from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Sequence,
 import torch
 
 from . import sampler as sampler_fields
+from . import validation as v
 from .dtypes import result_dtype
 
 _UNSET: Any = object()
 _NO_FEATURES: frozenset = frozenset()
 
 
+class TokenStats(NamedTuple):
+    """Every statistic of a position from one pass over the vocabulary (:func:`logprob_registry.token_stats`);
+    a field not asked for is None. Float fields are float32 (float64 for float64 inputs) of the
+    positions' shape (the labels' for the label fields); ``is_argmax`` is bool."""
+
+    logprobs: Any = None      # log p(label) of the processed distribution
+    entropy: Any = None       # entropy of the processed distribution
+    raw_logprobs: Any = None  # log p(label) before truncation (logit_scale, softcap, temperature applied)
+    raw_entropy: Any = None   # entropy before truncation
+    log_sum_p2: Any = None    # log sum_v p_v ** 2 of the processed distribution
+    mean_logit: Any = None    # mean over the vocabulary of z = softcap(logit_scale * x) / temperature
+    max_logit: Any = None     # max over the vocabulary of z
+    is_argmax: Any = None     # the label is torch.argmax of the processed logits (first maximum wins)
+
+
+#: The statistics that need labels.
+LABEL_STATS = frozenset({"logprobs", "raw_logprobs", "is_argmax"})
+
+
+def check_stat_names(value: Any, context: "Context") -> Tuple[str, ...]:
+    """``outputs`` of ``token_stats``: names of :class:`TokenStats` fields, at least one; returned in
+    the fields' order, without repeats. Those that need labels need labels."""
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (tuple, list, set, frozenset)) or not names or \
+            not all(isinstance(n, str) for n in names):
+        raise TypeError(f"outputs must be a non-empty tuple of names among {', '.join(TokenStats._fields)}, "
+                        f"got {value!r}")
+    unknown = [n for n in names if n not in TokenStats._fields]
+    if unknown:
+        raise ValueError(f"outputs names {', '.join(map(repr, unknown))}, which token_stats does not compute; "
+                         f"the outputs are {', '.join(TokenStats._fields)}")
+    chosen = tuple(n for n in TokenStats._fields if n in names)
+    needing = [n for n in chosen if n in LABEL_STATS]
+    if needing and not context.labels:
+        raise ValueError(f"outputs {', '.join(map(repr, needing))} need labels: pass labels (the token ids of the "
+                         "positions), or leave those outputs out")
+    return chosen
+
+
+class Context(NamedTuple):
+    """What an option's check sees of the call (:func:`logprob_registry.call.validate`): the logits'
+    shape ``(..., V)`` (formed from hidden states and a weight where the op takes them), the
+    vocabulary size (None with ``process_group=``: a shard's, checked once the whole is known), the
+    inputs' device and whether the call is vocabulary-parallel."""
+
+    shape: Tuple[int, ...]
+    vocab: Optional[int]
+    device: Any
+    sharded: bool
+    labels: bool = False  # whether the call has labels
+    options: Mapping[str, Any] = {}  # the call's options, those before this one in the table already checked
+
+
 @dataclass(frozen=True)
 class Option:
-    """One keyword option of an op, as a backend receives it."""
+    """One keyword option of an op, as a backend receives it.
+
+    ``check(value, context) -> value`` validates the caller's value (raising the error that says
+    what is wrong) and returns what backends receive; None: passed as given. ``placed`` says how a
+    DTensor argument of this name is placed: ``"rows"`` like the positions (``mask``), ``"vocab"``
+    like the vocabulary (a ``bias`` or an lm_head weight); ``""``: it may not be a DTensor."""
 
     name: str
     default: Any
     doc: str
     feature: Optional[str] = None  # None: every backend receives it
+    check: Optional[Callable[[Any, Context], Any]] = field(default=None, compare=False, repr=False)
+    placed: str = ""
 
     def used(self, value: Any) -> bool:
         """Whether ``value`` differs from the default (so the call needs the feature)."""
         return not (value is self.default or (self.default is not None and value == self.default))
+
+
+class Output(NamedTuple):
+    """One output of a public op: its name; its shape (``"labels"``: the labels' shape, the
+    positions' for an op without labels; ``"positions"``: the logits' leading dims ``(...)``;
+    ``"k"``: ``(..., k)`` for the option ``k``); its dtype (``"result"``: float32, float64 for
+    float64 inputs; ``"int64"``; ``"bool"``); whether it is differentiable; and which accuracy
+    rule of :mod:`logprob_registry.numerics` judges it (``"logprobs"``, ``"entropy"``; ``""``: compared
+    exactly)."""
+
+    name: str
+    shape: str = "labels"
+    dtype: str = "result"
+    differentiable: bool = True
+    judged_as: str = "logprobs"
+
+    def shape_for(self, on: Any, labels: Any, options: Mapping[str, Any]) -> Tuple[int, ...]:
+        """Its shape for the input ``on`` (``(..., V)`` or ``(..., H)``), ``labels`` (or None) and the options."""
+        lead = tuple(on.shape[:-1])
+        if self.shape == "labels" and labels is not None:
+            return tuple(labels.shape)
+        if self.shape == "k":
+            return lead + (int(options["k"]),)
+        return lead
+
+    def dtype_for(self, on_dtype: torch.dtype) -> torch.dtype:
+        return {"int64": torch.int64, "bool": torch.bool}.get(self.dtype) or result_dtype(on_dtype)
+
+
+#: How an op's inputs are given, and so validated (:data:`logprob_registry.call.FORMS`): ``logits``
+#: (..., V); ``hidden`` states (..., H) with an lm_head ``weight`` (V, H) (and ``bias``), whose logits
+#: are never formed; ``sides``: a student and a teacher, each logits or hidden states with its weight;
+#: ``either``: logits, or hidden states when the option ``weight`` is given.
+FORMS = ("logits", "hidden", "sides", "either")
 
 
 class InputKind(NamedTuple):
@@ -177,6 +272,28 @@ def kl_examples(spec: "OpSpec", shape: Sequence[int], dtype: torch.dtype, device
     return Example(made, given)
 
 
+def stats_examples(spec: "OpSpec", shape: Sequence[int], dtype: torch.dtype, device: Any, requires_grad: bool,
+                   seed: int, hidden_size: Optional[int], options: Mapping[str, Any]) -> Example:
+    """The example maker of ``token_stats``: logits and labels as the logits ops' (every output asked
+    for unless ``outputs`` is given); with ``hidden_size``, hidden states and labels with the options
+    ``weight`` (and no bias), drawn as ``logprobs_from_hidden``'s."""
+    given = dict(options)
+    given.setdefault("outputs", TokenStats._fields)
+    lead, vocab = tuple(shape[:-1]), int(shape[-1])
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if hidden_size is None:
+        x = make_input("logits", INPUTS["logits"].shape(lead, vocab), dtype, gen).to(device)
+    else:
+        x = make_input("hidden", INPUTS["hidden"].shape(lead, vocab, hidden_size), dtype, gen).to(device)
+        given["weight"] = make_input("weight", INPUTS["weight"].shape(lead, vocab, hidden_size), dtype, gen).to(device)
+    labels = make_input("labels", lead, dtype, gen, vocab).to(device)
+    if requires_grad:
+        x.requires_grad_(True)
+        if given.get("weight") is not None:
+            given["weight"].requires_grad_(True)
+    return Example({"inputs": x, "labels": labels}, given)
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """One op: ``backend.ops[name](*inputs, **options)`` returns ``outputs``."""
@@ -185,40 +302,105 @@ class OpSpec:
     function: Optional[str]    # the public function that dispatches to it (None: an op the core calls itself)
     inputs: Tuple[str, ...]    # positional tensors, in order
     options: Tuple[Option, ...]
-    outputs: Tuple[str, ...]   # what it returns: one tensor, or a tuple of these
+    outputs: Tuple[Union[str, Output], ...]  # what it returns: one tensor, or a tuple of these (names once made)
     doc: str
     dtype_input: str           # the input whose device and dtype select the backend
     grad_inputs: Tuple[str, ...]  # inputs (or tensor options) whose requires_grad asks for a backward
     tuple_when: Optional[str] = None  # a boolean option that makes it return all of ``outputs``
+    selected_by: Optional[str] = None  # an option naming the outputs a call returns (token_stats' outputs)
+    returns: Optional[type] = None  # a NamedTuple of every output, returned instead of a tuple (TokenStats)
+    optional_inputs: Tuple[str, ...] = ()  # inputs that may be None (token_stats' labels)
     # The float64 ground truth: the name of a function of logprob_registry.reference, called
     # ``(*inputs, dtype=..., **options)`` (named, so that this table imports no formulas); None: none.
-    reference: Optional[str] = None
+    reference: Union[str, Callable[..., Any], None] = None
     # How to make example inputs (see :meth:`example`); None: the op has none (the shard ops).
     examples: Optional[Callable[..., Example]] = None
+    # How its inputs are given (one of FORMS); None: "hidden" with a hidden input, "sides" with a
+    # student, else "logits".
+    form: Optional[str] = None
+    results: Tuple[Output, ...] = field(init=False, repr=False, compare=False)
     option_index: Dict[str, Option] = field(init=False, repr=False, compare=False)
     _featured: Tuple[Option, ...] = field(init=False, repr=False, compare=False)
     _names: Dict[frozenset, Tuple[str, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        results = tuple(o if isinstance(o, Output) else Output(o) for o in self.outputs)
+        object.__setattr__(self, "results", results)
+        object.__setattr__(self, "outputs", tuple(o.name for o in results))
+        if self.form is None:
+            form = "hidden" if "hidden" in self.inputs else "sides" if "student" in self.inputs else "logits"
+            object.__setattr__(self, "form", form)
+        if self.form not in FORMS:
+            raise ValueError(f"op {self.name!r}: form must be one of {', '.join(FORMS)}, got {self.form!r}")
         object.__setattr__(self, "option_index", {o.name: o for o in self.options})
         object.__setattr__(self, "_featured", tuple(o for o in self.options if o.feature is not None))
         object.__setattr__(self, "_names", {})  # backend features -> the option names it receives
 
     def output_names(self, options: Optional[Mapping[str, Any]] = None) -> Tuple[str, ...]:
         """The outputs a call returns (``logprobs_from_hidden`` returns the entropy only when
-        ``return_entropy=True``)."""
+        ``return_entropy=True``; ``token_stats`` those its ``outputs`` option names)."""
         if self.tuple_when is not None and not (options or {}).get(self.tuple_when, False):
             return self.outputs[:1]
+        if self.selected_by is not None:
+            chosen = (options or {}).get(self.selected_by, self.option_index[self.selected_by].default)
+            return tuple(n for n in self.outputs if n in chosen)
         return self.outputs
+
+    def pack(self, named: Mapping[str, Any]) -> Any:
+        """What the public function returns, from its outputs by name: one tensor, a tuple, or the
+        op's ``returns`` record (a NamedTuple whose fields not computed are None)."""
+        if self.returns is not None:
+            return self.returns(**{n: named.get(n) for n in self.returns._fields})
+        values = tuple(named.values())
+        return values if len(values) > 1 else values[0]
+
+    def unpack(self, result: Any, options: Optional[Mapping[str, Any]] = None) -> Tuple[Any, ...]:
+        """The outputs of a result the public function returns (or of a dict of them by name, as a
+        reference may return them), in :meth:`output_names` order."""
+        if isinstance(result, Mapping):
+            return tuple(result[n] for n in self.output_names(options))
+        if self.returns is not None:
+            return tuple(getattr(result, n) for n in self.output_names(options))
+        return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+
+    def result(self, name: str) -> Output:
+        """The output called ``name``."""
+        return self.results[self.outputs.index(name)]
+
+    @property
+    def keyed_by_hidden(self) -> bool:
+        """Whether its selection key holds a hidden-size bucket (a public op that may take hidden
+        states: its work per row grows with V x H)."""
+        return self.function is not None and self.form != "logits"
+
+    @property
+    def always_hidden(self) -> bool:
+        """Whether its inputs are always hidden states with a weight (then a key without a hidden
+        size does not bound its work)."""
+        return self.function is not None and self.form == "hidden"
+
+    @property
+    def placed(self) -> Tuple[str, ...]:
+        """The arguments that may be DTensors: its inputs and the options with a placement."""
+        return self.inputs + tuple(o.name for o in self.options if o.placed)
+
+    @property
+    def row_args(self) -> Tuple[str, ...]:
+        """The arguments that hold one entry per position (then perhaps K ids): placed like the rows."""
+        return tuple(n for n in self.inputs if n in INPUTS and INPUTS[n].dims == "...") + \
+            tuple(o.name for o in self.options if o.placed == "rows")
 
     def options_of(self, given: Mapping[str, Any]) -> Dict[str, Any]:
         """The entries of ``given`` that are options of this op (``ignore_index`` is not the entropy's)."""
         return {k: v for k, v in given.items() if k in self.option_index}
 
     def reference_function(self) -> Callable[..., Any]:
-        """The function of :mod:`logprob_registry.reference` computing this op's ground truth."""
+        """The function of :mod:`logprob_registry.reference` computing this op's ground truth (or
+        the function itself, for an op registered at run time)."""
         if self.reference is None:
             raise ValueError(f"op {self.name!r} has no reference in the op table")
+        if callable(self.reference):
+            return self.reference
         from . import reference
 
         return getattr(reference, self.reference)
@@ -238,8 +420,7 @@ class OpSpec:
         function = self.reference_function()
         accepted = _parameters(function)
         kwargs = {o.name: options.get(o.name, o.default) for o in self.options if o.name in accepted}
-        out = function(*inputs, dtype=dtype, **kwargs)
-        out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        out = self.unpack(function(*inputs, dtype=dtype, **kwargs), options)
         assert len(out) == len(self.output_names(options)), (self.name, len(out))
         return out
 
@@ -280,17 +461,21 @@ class OpSpec:
         outs = self.outputs[0] if len(self.outputs) == 1 else "(" + ", ".join(self.outputs) + ")"
         if self.tuple_when:
             outs = f"{self.outputs[0]}, or ({', '.join(self.outputs)}) when {self.tuple_when}=True"
+        if self.returns is not None:
+            outs = f"{self.returns.__name__}({', '.join(self.outputs)}), those named in {self.selected_by}"
         return f"{self.name}({', '.join(self.inputs)}, *, {opts}) -> {outs}"
 
     def public(self) -> Callable[..., Any]:
-        """The public function of :mod:`logprob_registry` for this op."""
-        import logprob_registry
-
+        """The public function of :mod:`logprob_registry` for this op (:data:`FUNCTIONS`)."""
         if self.function is None:
             raise ValueError(f"op {self.name!r} has no public function: the distributed core calls it for "
                              "calls with process_group= (see logprob_registry.distributed)")
-
-        return getattr(logprob_registry, self.function)
+        try:
+            return FUNCTIONS[self.name]
+        except KeyError:
+            raise ValueError(f"op {self.name!r} names the public function {self.function!r}, which is not "
+                             "defined: logprob_registry.ops defines the built-in ones; register(spec, function) "
+                             "gives an added op its own") from None
 
 
 _PARAMETERS: Dict[Callable[..., Any], frozenset] = {}
@@ -303,11 +488,16 @@ def _parameters(function: Callable[..., Any]) -> frozenset:
     return names
 
 
+def _flag(name: str) -> Callable[[Any, Context], bool]:
+    return lambda value, context: v.check_flag(value, name)
+
+
 _TEMPERATURE = Option("temperature", 1.0, "float > 0: the (softcapped) logits are divided by it")
 _IGNORE_INDEX = Option("ignore_index", None,
-                       "int or None: positions whose label equals it give 0 and a zero gradient")
-_INPLACE = Option("inplace_backward", False,
-                  "bool: backward may write the logits' gradient over the logits' storage")
+                       "int or None: positions whose label equals it give 0 and a zero gradient",
+                       check=lambda value, context: v.check_ignore_index(value))
+_INPLACE = Option("inplace_backward", False, "bool: backward may write the logits' gradient over the logits' storage",
+                  check=_flag("inplace_backward"))
 # The sampler's keywords (logprob_registry.sampler.FIELDS, in the sampler's order), each an option
 # that only backends declaring the feature of the same name receive.
 _SAMPLER = tuple(Option(f.name, None, f.doc, feature=f.name) for f in sampler_fields.FIELDS) + (
@@ -316,7 +506,8 @@ _SAMPLER = tuple(Option(f.name, None, f.doc, feature=f.name) for f in sampler_fi
            feature="sampler"),)
 #: The public ops' temperature: a number, or per row (a tensor needs the feature "per_row").
 _TEMPERATURE_ROWS = Option("temperature", 1.0, "float > 0, or per row a float32 tensor expanded to the positions' "
-                           "shape (...) (feature per_row): the (softcapped) logits are divided by it")
+                           "shape (...) (feature per_row): the (softcapped) logits are divided by it",
+                           check=lambda value, c: sampler_fields.check_temperature(value, c.shape, c.device))
 _LABELS = ("labels (...) int32/int64 give (...); labels (..., K) give the K candidates' logprobs "
            "(..., K) in one pass (feature 'candidates')")
 # The vocabulary-parallel ops' options (see logprob_registry.distributed).
@@ -334,7 +525,7 @@ _STATS_DOC = ("per row and tile of z = logits / temperature (in float32, float64
 _KL_SIDES = (Option("student_weight", None, "(V_local, H_s) or None: the student is hidden states (..., H_s)"),
              Option("teacher_weight", None, "(V_local, H_t) or None: the teacher is hidden states (..., H_t)"))
 _KL_DIRECTION = Option("direction", "forward", '"forward": KL(teacher || student); "reverse": KL(student || teacher)')
-# The sampler's processing on a shard (feature "shard_sampler"; see logprob_registry.distributed.processing).
+# The sampler's processing on a shard (feature "shard_sampler"; see logprob_registry.processing).
 _SHARD_SAMPLER = (
     Option("softcap", None, "float or None: z = softcap * tanh(logits / softcap) / temperature",
            feature="shard_sampler"),
@@ -355,12 +546,15 @@ _SHARD_SAMPLER_DOC = ("; with feature shard_sampler: labels may be candidates (.
 _GRADS_DOC = ("lse, entropy: the merged log-sum-exp and entropy of z per row (...); grad_logprobs, "
               "grad_entropy: upstream gradients (...) or None, grad_logprobs already 0 at ignored positions")
 
-OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
+_LOGPROBS = Output("logprobs")
+_ENTROPY_OUT = Output("entropy", shape="positions", judged_as="entropy")
+
+OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec(
         name="logprobs", function="logprobs_from_logits",
         inputs=("logits", "labels"),
         options=(_TEMPERATURE_ROWS, _IGNORE_INDEX, _INPLACE) + _SAMPLER,
-        outputs=("logprobs",),
+        outputs=(_LOGPROBS,),
         doc="log_softmax(processed logits)[..., labels]: logits (..., V); " + _LABELS
             + "; float32 (float64 for float64 logits)",
         dtype_input="logits", grad_inputs=("logits",),
@@ -370,7 +564,7 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
         name="entropy", function="entropy_from_logits",
         inputs=("logits",),
         options=(_TEMPERATURE_ROWS,) + _SAMPLER,
-        outputs=("entropy",),
+        outputs=(_ENTROPY_OUT,),
         doc="entropy of softmax(processed logits) over the last dim: logits (..., V); "
             "float32 (float64 for float64 logits) of shape (...)",
         dtype_input="logits", grad_inputs=("logits",),
@@ -380,7 +574,7 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
         name="logprobs_and_entropy", function="logprobs_and_entropy",
         inputs=("logits", "labels"),
         options=(_TEMPERATURE_ROWS, _IGNORE_INDEX, _INPLACE) + _SAMPLER,
-        outputs=("logprobs", "entropy"),
+        outputs=(_LOGPROBS, _ENTROPY_OUT),
         doc="both of the above in one pass; the entropy of an ignored position is computed as usual",
         dtype_input="logits", grad_inputs=("logits",),
         reference="logprobs_and_entropy", examples=examples_by_name,
@@ -388,13 +582,15 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec(
         name="logprobs_from_hidden", function="logprobs_from_hidden",
         inputs=("hidden", "weight", "labels"),
-        options=(Option("bias", None, "tensor (V,) or None, added to hidden @ weight.T"),
+        options=(Option("bias", None, "tensor (V,) or None, added to hidden @ weight.T", placed="vocab"),
                  _TEMPERATURE_ROWS, _IGNORE_INDEX,
-                 Option("return_entropy", False, "bool: also return the entropy")) + _SAMPLER + (
+                 Option("return_entropy", False, "bool: also return the entropy", check=_flag("return_entropy")))
+                + _SAMPLER + (
                  Option("logits_dtype", None, "torch.bfloat16, torch.float16 or None: round each logit "
                         "to it before the softmax, as an engine whose lm_head runs in it (straight-"
-                        "through gradient); None keeps exact fp32 products", feature="logits_dtype"),),
-        outputs=("logprobs", "entropy"),
+                        "through gradient); None keeps exact fp32 products", feature="logits_dtype",
+                        check=lambda value, context: v.check_logits_dtype(value)),),
+        outputs=(_LOGPROBS, _ENTROPY_OUT),
         tuple_when="return_entropy",
         doc="logprobs of labels under hidden @ weight.T + bias without forming the (N, V) logits: "
             "hidden (..., H), weight (V, H), one dtype for hidden, weight and bias",
@@ -404,8 +600,11 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec(
         name="topk_logprobs", function="topk_logprobs",
         inputs=("logits",),
-        options=(Option("k", 1, "int >= 1, at most V: how many"), _TEMPERATURE_ROWS) + _SAMPLER,
-        outputs=("values", "ids"),
+        options=(Option("k", 1, "int >= 1, at most V: how many",
+                        check=lambda value, c: v.check_k(value, c.vocab if c.vocab is not None else 1 << 62)),
+                 _TEMPERATURE_ROWS) + _SAMPLER,
+        outputs=(Output("values", shape="k"), Output("ids", shape="k", dtype="int64", differentiable=False,
+                                                      judged_as="")),
         doc="the k largest processed logprobs (float32, (..., k)) and their ids (int64), largest first, "
             "ties by smaller id; -inf (and the smallest ids left) where fewer than k tokens are kept",
         dtype_input="logits", grad_inputs=("logits",),
@@ -415,24 +614,55 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
         name="kl_divergence", function="kl_divergence",
         inputs=("student", "teacher"),
         options=(
-            Option("direction", "forward", '"forward": KL(teacher || student); "reverse": KL(student || teacher)'),
-            Option("temperature", 1.0, "float > 0: divides both sides' logits"),
-            Option("mask", None, "bool (...) or None: positions where it is False give 0 and a zero gradient"),
+            Option("direction", "forward", '"forward": KL(teacher || student); "reverse": KL(student || teacher); '
+                   '"jsd": the generalized Jensen-Shannon divergence (feature kl_jsd, with beta)',
+                   check=lambda value, context: v.check_direction(value)),
+            Option("beta", None, "float in (0, 1) with direction=\"jsd\" (else None): beta KL(T || M) + (1 - beta) "
+                   "KL(S || M), M = beta T + (1 - beta) S", feature="kl_jsd",
+                   check=lambda value, c: v.check_beta(value, c.options["direction"])),
+            Option("temperature", 1.0, "float > 0: divides both sides' logits",
+                   check=lambda value, context: v.check_one_temperature(value, "kl_divergence")),
+            Option("mask", None, "bool (...) or None: positions where it is False give 0 and a zero gradient",
+                   check=lambda value, c: v.check_mask(value, c.shape[:-1], c.device), placed="rows"),
             Option("student_weight", None, "(V, H_s) or None: the student is hidden states (..., H_s) whose logits "
-                   "student @ student_weight.T are never formed", feature="kl_hidden"),
+                   "student @ student_weight.T are never formed", feature="kl_hidden", placed="vocab"),
             Option("teacher_weight", None, "(V, H_t) or None: the teacher is hidden states (..., H_t), likewise",
-                   feature="kl_hidden"),
+                   feature="kl_hidden", placed="vocab"),
             Option("support", None, "int64 ids (..., K), distinct per position, or None: both distributions "
-                   "restricted to these K tokens (see tail)", feature="kl_support"),
+                   "restricted to these K tokens (see tail)", feature="kl_support",
+                   check=lambda value, c: v.check_support(value, c.shape[:-1], c.vocab, c.device), placed="rows"),
             Option("tail", True, "bool: with support, one more bucket holding the mass outside the K (its log a "
-                   "log-sum-exp over the complement, never log(1 - sum p)); False: renormalised over the K"),
+                   "log-sum-exp over the complement, never log(1 - sum p)); False: renormalised over the K",
+                   check=_flag("tail")),
         ),
-        outputs=("kl",),
+        outputs=(Output("kl", shape="positions"),),
         doc="KL divergence of the tempered distributions per position: student, teacher logits (..., V) (or "
             "hidden states with their *_weight); float32 (...) (float64 for float64); the gradient reaches the "
             "student (and student_weight) only: the teacher is a detached target",
         dtype_input="student", grad_inputs=("student", "student_weight"),
         reference="kl_divergence", examples=kl_examples,
+    ),
+    OpSpec(
+        name="token_stats", function="token_stats",
+        inputs=("inputs", "labels"), optional_inputs=("labels",), form="either",
+        options=(Option("weight", None, "(V, H) or None: inputs are hidden states (..., H) whose logits inputs @ "
+                        "weight.T + bias are never formed", placed="vocab"),
+                 Option("bias", None, "(V,) or None, with weight", placed="vocab"),
+                 Option("outputs", ("logprobs", "entropy"), "tuple of TokenStats field names, in the fields' order",
+                        check=check_stat_names),
+                 _TEMPERATURE_ROWS, _IGNORE_INDEX) + _SAMPLER,
+        outputs=(_LOGPROBS, _ENTROPY_OUT, Output("raw_logprobs"),
+                 Output("raw_entropy", shape="positions", judged_as="entropy"),
+                 Output("log_sum_p2", shape="positions"),
+                 Output("mean_logit", shape="positions", differentiable=False),
+                 Output("max_logit", shape="positions", differentiable=False),
+                 Output("is_argmax", dtype="bool", differentiable=False, judged_as="")),
+        selected_by="outputs", returns=TokenStats,
+        doc="every statistic of a position in one pass (TokenStats, the fields not asked None): inputs logits (..., V), "
+            "or hidden states (..., H) with weight (V, H) (and bias); labels (...) or None (needed by logprobs, "
+            "raw_logprobs and is_argmax; ignore_index positions give 0 / False there)",
+        dtype_input="inputs", grad_inputs=("inputs", "weight", "bias"),
+        reference="token_stats", examples=stats_examples,
     ),
     OpSpec(
         name="shard_stats", function=None,
@@ -529,6 +759,51 @@ OPS: Mapping[str, OpSpec] = {spec.name: spec for spec in (
 #: The ops of the vocabulary-parallel path, called by the core (:mod:`logprob_registry.distributed`).
 SHARD_OPS = tuple(name for name, spec in OPS.items() if spec.function is None)
 
+
+#: The public function of each op, by op name: :mod:`logprob_registry.ops` enters the built-in
+#: ones as it defines them (each one line: ``run(op, locals())``), :func:`register` an added op's.
+FUNCTIONS: Dict[str, Callable[..., Any]] = {}
+
+
+def register(spec: OpSpec, function: Optional[Callable[..., Any]] = None) -> None:
+    """Add ``spec`` to the op table at run time (an extension's op, or a test's), with its public
+    ``function`` (whose body is ``logprob_registry.ops.run(spec.name, locals())``): everything that
+    reads the table (validation, selection keys, ``explain``, the custom op under
+    ``torch.compile``, the wire codes of ``process_group=``, the suite's generic sections) takes it
+    from there. A ValueError if an op of that name exists."""
+    if spec.name in OPS:
+        raise ValueError(f"op {spec.name!r} is already in the op table")
+    OPS[spec.name] = spec
+    if function is not None:
+        FUNCTIONS[spec.name] = function
+
+
+def unregister(name: str) -> None:
+    """Remove an op :func:`register` added (the built-in ops stay)."""
+    if name in _BUILTIN_OPS:
+        raise ValueError(f"op {name!r} is a built-in op of the table; only ops added by register() can go")
+    OPS.pop(name, None)
+    FUNCTIONS.pop(name, None)
+
+
+def public_ops() -> Tuple[str, ...]:
+    """The ops a public function dispatches to, in table order."""
+    return tuple(name for name, spec in OPS.items() if spec.function is not None)
+
+
+def wire_code(op: str) -> int:
+    """The number that stands for a public op in the header of a ``process_group=`` call (every
+    rank runs the same table, so the same numbers)."""
+    return public_ops().index(op)
+
+
+def op_of_code(code: int) -> str:
+    """The public op of a wire code (``"op #7"`` for a code this table lacks)."""
+    ops = public_ops()
+    return ops[code] if 0 <= code < len(ops) else f"op #{code}"
+
+_BUILTIN_OPS = frozenset(OPS)
+
 #: Features a backend may declare (``Backend(features=...)``): options it implements, and kinds of
 #: call it supports. A call that needs a feature goes only to backends that declare it.
 FEATURES: Mapping[str, str] = {
@@ -544,6 +819,7 @@ FEATURES: Mapping[str, str] = {
                  "are never formed",
     "shard_sampler": "the vocabulary-parallel shard ops with the sampler's processing (softcap, keep, boundary, "
                      "logits_dtype, candidate labels) and shard_topk / hidden_shard_topk",
+    "kl_jsd": "kl_divergence's direction=\"jsd\" with its beta: the generalized Jensen-Shannon divergence",
     "kl_support": "kl_divergence's support option: both distributions restricted to K ids per position (plus the "
                   "tail bucket with tail=True)",
 }

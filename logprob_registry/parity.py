@@ -411,7 +411,7 @@ def order_check() -> Dict[str, Any]:
     order; how many positions each disagrees with ``generate`` at."""
     from transformers.generation import logits_process as lp
 
-    from . import reference as ref
+    from . import truncation
 
     x = order_logits()
     c = ORDER_CASE
@@ -420,7 +420,7 @@ def order_check() -> Dict[str, Any]:
                    lp.TopPLogitsWarper(c["top_p"]), lp.MinPLogitsWarper(c["min_p"])):
         scores = warper(None, scores)
     generate = torch.isfinite(scores)
-    differ = {order: int((ref.kept_tokens(x, sampler=order, **c) != generate).any(-1).sum())
+    differ = {order: int((truncation.kept_tokens(x, sampler=order, **c) != generate).any(-1).sum())
               for order in ("hf", "vllm")}
     return dict(case=dict(c), positions=int(x.shape[0]), hf_differs=differ["hf"], vllm_differs=differ["vllm"])
 

@@ -95,6 +95,7 @@ def _scalar(value: object) -> object:
 
 def check_temperature(temperature: object, shape: Shape = (), device: Any = None, vocab: Vocab = None):
     """A positive number, or a per-row float tensor (float32, expanded to the positions' shape)."""
+    _v.check_no_grad(temperature, "temperature")
     temperature = _scalar(temperature)
     if not isinstance(temperature, torch.Tensor):
         return _v.check_temperature(temperature)

@@ -10,7 +10,7 @@ devices; not the values of the labels, which would need a device sync) and calls
 - its eager body, run at run time outside tracing, is the public function itself with the same
   arguments: configuration check, full validation (the label range included), backend selection
   and fallback, exactly as without ``torch.compile``;
-- its fake implementation gives the outputs' shapes and dtypes from the op table;
+- its fake implementation gives the outputs' shapes and dtypes from the op table (``Output``);
 - its autograd formula calls ``logprob_registry::call_backward``, whose eager body recomputes the
   call with gradients through the same dispatch and differentiates it. A training step under
   ``torch.compile`` therefore runs the forward twice; ``inplace_backward=True`` is honoured out of
@@ -28,7 +28,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .dtypes import result_dtype
 from .opspec import OPS
 
 _SEP, _KIND = ";", "="
@@ -60,9 +59,11 @@ def _encode(op: str, backend: Optional[str], inputs: Tuple[Any, ...], options: D
             parts.append(name + _KIND + "d" + str(value).replace("torch.", ""))
         elif isinstance(value, str):
             parts.append(name + _KIND + "s" + value)
+        elif isinstance(value, tuple) and all(isinstance(v, str) and "," not in v for v in value):
+            parts.append(name + _KIND + "l" + ",".join(value))
         else:
             raise TypeError(f"{op}: option {name}={value!r} cannot be passed through torch.compile "
-                            "(options are None, bool, int, float, str, torch.dtype or tensors)")
+                            "(options are None, bool, int, float, str, a tuple of str, torch.dtype or tensors)")
     return _SEP.join(parts), tensors, ints, floats
 
 
@@ -86,13 +87,15 @@ def _decode(spec: str, tensors: Sequence[Optional[torch.Tensor]], ints: Sequence
             options[name] = float(next(floats_))
         elif code == "d":
             options[name] = getattr(torch, text)
+        elif code == "l":
+            options[name] = tuple(text.split(",")) if text else ()
         else:
             options[name] = text
     return op, backend or None, inputs, options
 
 
-def _outputs(result: Any) -> List[torch.Tensor]:
-    return list(result) if isinstance(result, tuple) else [result]
+def _outputs(op: str, result: Any, options: Dict[str, Any]) -> List[torch.Tensor]:
+    return list(OPS[op].unpack(result, options))
 
 
 # ------------------------------------------------------------------------------ the ops
@@ -105,7 +108,7 @@ def _call(spec: str, tensors: List[Optional[torch.Tensor]], ints: Sequence[int],
           floats: Sequence[float]) -> List[torch.Tensor]:
     op, backend, inputs, options = _decode(spec, tensors, ints, floats)
     with torch.no_grad():  # the gradient comes from call_backward
-        return [o.clone() if _aliases(o, tensors) else o for o in _outputs(_public(op, backend, inputs, options))]
+        return [o.clone() if _aliases(o, tensors) else o for o in _outputs(op, _public(op, backend, inputs, options), options)]
 
 
 def _aliases(out: torch.Tensor, tensors: Sequence[Optional[torch.Tensor]]) -> bool:
@@ -114,27 +117,16 @@ def _aliases(out: torch.Tensor, tensors: Sequence[Optional[torch.Tensor]]) -> bo
     return any(t is not None and t.untyped_storage().data_ptr() == ptr for t in tensors)
 
 
-def _topk_outputs(inputs, options):
-    """``topk_logprobs``: values (..., k) in the result dtype and their int64 ids."""
-    logits = inputs[0]
-    shape = tuple(logits.shape[:-1]) + (options["k"],)
-    return logits.new_empty(shape, dtype=result_dtype(logits.dtype)), logits.new_empty(shape, dtype=torch.int64)
-
-
-#: Ops whose outputs are not "one tensor per output, of the labels' shape (or the dtype input's
-#: leading shape) and the result dtype": op -> function(inputs, options) returning fake outputs.
-FAKE_OUTPUTS: Dict[str, Any] = {"topk_logprobs": _topk_outputs}
-
-
 @_call.register_fake
 def _call_fake(spec, tensors, ints, floats):
+    """The outputs' shapes and dtypes, as the op table's ``Output`` records say."""
     op, _, inputs, options = _decode(spec, tensors, ints, floats)
-    if op in FAKE_OUTPUTS:
-        return _outputs(FAKE_OUTPUTS[op](inputs, options))
     opspec = OPS[op]
     on = inputs[opspec.inputs.index(opspec.dtype_input)]
-    shape = inputs[opspec.inputs.index("labels")].shape if "labels" in opspec.inputs else on.shape[:-1]
-    return [on.new_empty(shape, dtype=result_dtype(on.dtype)) for _ in opspec.output_names(options)]
+    labels = inputs[opspec.inputs.index("labels")] if "labels" in opspec.inputs else None
+    names = opspec.output_names(options)
+    return [on.new_empty(o.shape_for(on, labels, options), dtype=o.dtype_for(on.dtype))
+            for o in opspec.results if o.name in names]
 
 
 @torch.library.custom_op("logprob_registry::call_backward", mutates_args=())
@@ -145,7 +137,7 @@ def _call_backward(spec: str, needs: Sequence[bool], tensors: List[Optional[torc
         op, backend, inputs, options = _decode(spec, leaves, ints, floats)
         if "inplace_backward" in options:
             options["inplace_backward"] = False  # the logits are the caller's: honoured out of place
-        outs = _outputs(_public(op, backend, inputs, options))
+        outs = _outputs(op, _public(op, backend, inputs, options), options)
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         wanted = [leaf for leaf, need in zip(leaves, needs) if need]
         found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True) \
@@ -199,8 +191,8 @@ def call(op: str, backend: Optional[str], inputs: Tuple[Any, ...], options: Dict
     the public function returns them."""
     spec, tensors, ints, floats = _encode(op, backend, inputs, options)
     outs = torch.ops.logprob_registry.call(spec, tensors, ints, floats)
-    names = OPS[op].output_names(options)
-    return tuple(outs) if len(names) > 1 else outs[0]
+    opspec = OPS[op]
+    return opspec.pack(dict(zip(opspec.output_names(options), outs)))
 
 
-__all__ = ["FAKE_OUTPUTS", "call"]
+__all__ = ["call"]

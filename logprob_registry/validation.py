@@ -106,7 +106,16 @@ def check_same_device(t: torch.Tensor, device: torch.device, what: str, against:
         )
 
 
+def check_no_grad(value: object, name: str) -> None:
+    """A tensor argument whose gradient the op does not compute must not ask for one (it would be
+    silently dropped)."""
+    if isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} is a tensor that requires grad, but this library computes no gradient "
+                         f"with respect to {name} (it would be silently dropped): pass {name}.detach()")
+
+
 def check_temperature(temperature: object) -> float:
+    check_no_grad(temperature, "temperature")
     if isinstance(temperature, torch.Tensor) and temperature.numel() == 1:
         temperature = float(temperature)
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
@@ -138,9 +147,11 @@ def check_flag(value: object, what: str) -> bool:
     return value
 
 
-def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: Optional[int]) -> None:
+def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: Optional[int], what: str = "") -> None:
     """Every label is in [0, vocab) or equal to ignore_index. One reduction over the labels (and a
-    device sync); skipped where the values cannot be read (see :func:`values_visible`)."""
+    device sync); skipped where the values cannot be read (see :func:`values_visible`). ``what``
+    names ids that are not labels (``"support"``): the error then names it, without the
+    ``ignore_index`` hint."""
     if labels.numel() == 0 or not values_visible(labels):
         return
     flat = labels.reshape(-1)
@@ -158,6 +169,9 @@ def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: Optional[i
     value = int(flat[first])
     position = tuple(int(i) for i in unravel(first, labels.shape))
     allowed = f"0..{vocab - 1}" if vocab else "none (the vocabulary is empty)"
+    if what:
+        raise ValueError(f"{what} id {value} at position {position} is out of range for a vocabulary of {vocab} "
+                         f"(valid ids: {allowed})")
     hint = f" or ignore_index={ignore_index}" if ignore_index is not None else "; pass ignore_index= for padding"
     raise ValueError(
         f"label {value} at position {position} is out of range for a vocabulary of {vocab} "
@@ -254,7 +268,7 @@ def check_support(support: object, lead: tuple, vocab: Optional[int], device: to
     check_same_device(support, device, "support", "student")
     if support.numel() and values_visible(support):
         if vocab is not None:
-            check_label_range(support, vocab, None)
+            check_label_range(support, vocab, None, "support")
         ordered = support.reshape(-1, support.shape[-1]).sort(-1).values
         same = (ordered[:, 1:] == ordered[:, :-1]).any(-1)
         if bool(same.any()):
@@ -262,6 +276,52 @@ def check_support(support: object, lead: tuple, vocab: Optional[int], device: to
             raise ValueError(f"support ids repeat within position {tuple(unravel(row, torch.Size(lead)))}: each "
                              "position's K ids must be distinct")
     return support
+
+
+def check_logit_scale(scale: object) -> Optional[float]:
+    """``logit_scale``: None (or 1.0) for none, else a finite number > 0."""
+    if scale is None:
+        return None
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        check_no_grad(scale, "logit_scale")
+        scale = float(scale)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"logit_scale must be a positive number or None, got {type(scale).__name__}")
+    value = float(scale)
+    if not 0 < value < math.inf:
+        raise ValueError(f"logit_scale must be finite and > 0 (the constant a scaled head multiplies its logits by; "
+                         f"pass 1 / scale for a head that divides), got {value}")
+    return None if value == 1.0 else value
+
+
+def check_direction(direction: object) -> str:
+    if direction not in ("forward", "reverse", "jsd"):
+        raise ValueError(f'direction must be "forward" (KL(teacher || student)), "reverse" (KL(student || '
+                         f'teacher)) or "jsd" (the generalized Jensen-Shannon divergence, with beta), got {direction!r}')
+    return direction  # type: ignore[return-value]
+
+
+def check_beta(beta: object, direction: str) -> Optional[float]:
+    """``beta`` of ``direction="jsd"``: a number in (0, 1); None for the other directions (ignored)."""
+    if direction != "jsd":
+        return None
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
+        raise TypeError(f"beta must be a number in (0, 1) (the teacher's weight in the mixture), got "
+                        f"{type(beta).__name__}")
+    value = float(beta)
+    if not 0 < value < 1:
+        raise ValueError(f"beta must be in (0, 1) (M = beta * teacher + (1 - beta) * student; 0 and 1 are the two "
+                         f"KL directions: use direction='reverse' or 'forward'), got {value}")
+    return value
+
+
+def check_one_temperature(temperature: object, op: str) -> float:
+    """One positive number (an op that takes no per-row temperatures)."""
+    if isinstance(temperature, torch.Tensor) and temperature.numel() != 1:
+        raise TypeError(f"{op}'s temperature must be one positive number, got a tensor of shape "
+                        f"{tuple(temperature.shape)}: per-row temperatures are taken by the logprob ops, not by "
+                        f"{op} (divide each side's logits by its temperatures before the call)")
+    return check_temperature(temperature)
 
 
 def check_k(k: object, vocab: int) -> int:

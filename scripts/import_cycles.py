@@ -9,6 +9,12 @@ import, but it still ties the modules together.
 Importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, so an import of a submodule
 counts as an import of each package above it too, except the packages above the importing module
 itself (they started importing before it). Exits 1 when it finds a cycle.
+
+With ``--lazy``, an import that asks a package above the importing module for one of its own
+names (``import a`` or ``from a import name`` inside a function of ``a.b.c``, ``from .. import
+name`` where ``name`` is no submodule) counts as an edge to that package: it needs the package's
+``__init__`` run to its end, and that ``__init__`` (a package face importing everything) may
+import the module back. At module level the skip stays right: the package is being imported.
 """
 
 from __future__ import annotations
@@ -64,13 +70,17 @@ def graph(root: str, lazy: bool = False) -> Dict[str, Set[str]]:
     known = modules(root)
     edges: Dict[str, Set[str]] = {m: set() for m in known}
 
-    def add(source: str, target: str) -> None:
+    def add(source: str, target: str, upward: bool = False) -> None:
         parts = target.split(".")
         for i in range(1, len(parts) + 1):  # the packages above run first
             name = ".".join(parts[:i])
-            # a package above the importing module is already being imported: no edge
-            if name in known and name != source and not source.startswith(name + "."):
-                edges[source].add(name)
+            if name not in known or name == source:
+                continue
+            # a package above the importing module is already being imported: no edge, unless
+            # (``upward``: a lazy import) the import asks that package itself for a name
+            if source.startswith(name + ".") and not (upward and name == target):
+                continue
+            edges[source].add(name)
 
     for module, path in known.items():
         with open(path) as f:
@@ -79,7 +89,7 @@ def graph(root: str, lazy: bool = False) -> Dict[str, Set[str]]:
         for node in _top_level_imports(tree, lazy):
             if isinstance(node, ast.Import):
                 for alias in node.names:
-                    add(module, alias.name)
+                    add(module, alias.name, upward=lazy)
                 continue
             if node.level:
                 base = package.split(".")
@@ -88,10 +98,11 @@ def graph(root: str, lazy: bool = False) -> Dict[str, Set[str]]:
                 target = f"{prefix}.{node.module}" if node.module else prefix
             else:
                 target = node.module or ""
-            add(module, target)
-            for alias in node.names:  # from package import submodule
-                if f"{target}.{alias.name}" in known:
-                    add(module, f"{target}.{alias.name}")
+            submodules = [f"{target}.{alias.name}" for alias in node.names if f"{target}.{alias.name}" in known]
+            # names that are no submodule are read from the package's __init__ (its face)
+            add(module, target, upward=lazy and len(submodules) < len(node.names))
+            for name in submodules:  # from package import submodule
+                add(module, name)
     return edges
 
 

@@ -10,8 +10,8 @@ os.environ["LOGPROB_REGISTRY_KERNEL_CACHE"] = "off"
 # backends that tests expect priority to order. The process-wide registry reads its ranking source
 # (the tuning file in force) at every selection and the tests' subprocesses inherit the variable,
 # so this holds in both, from before the package's import; registries a test makes take none
-# (Registry(ranking=None)). A test of tuning asks for one: Registry(ranking=Tuning(...)), or
-# monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", path) for the process-wide registry.
+# (make_registry(ranking=None), below). A test of tuning asks for one: make_registry(ranking=Tuning(...)),
+# or monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", path) for the process-wide registry.
 os.environ["LOGPROB_REGISTRY_TUNING"] = "off"
 
 from logprob_registry import environment  # noqa: E402 - after the variables above
@@ -26,6 +26,64 @@ def fake_env():
 
     yield install
     environment.set_environment(None)
+
+
+@pytest.fixture
+def make_registry():
+    """``make_registry(*plugins, builtins=(), environment=None, ranking=None)``: a fresh registry
+    that touches no global: the ONE place the tests construct registries.
+
+    - ``plugins``, registered in order: plugin objects (named ``plugin-<i>``, ``i`` their position),
+      ``(name, plugin)`` pairs, or ``lr.Backend`` records (all of them registered by one plugin
+      named ``plugin``, at the first one's position);
+    - ``builtins``: the built-in plugin modules to load (none by default; ``"all"``: every built-in);
+      entry points are never loaded;
+    - ``environment``: an ``Environment`` (``Environment.fake(...)``), a function returning one, or
+      None for the detected environment (``fake_env`` replaces that one);
+    - ``ranking``: the tuning ranking it follows (None: priority decides).
+
+    The registry's ``install_env(env)`` replaces its environment (the caches follow it)."""
+    from logprob_registry import hookimpl
+    from logprob_registry.backend import Backend
+    from logprob_registry.environment import Environment, get_environment
+    from logprob_registry.registry import BUILTIN_PLUGINS, Registry
+
+    def make(*plugins, builtins=(), environment=None, ranking=None):
+        source = [environment]
+
+        def current():
+            env = source[0]
+            if env is None:
+                return get_environment()
+            return env if isinstance(env, Environment) else env()
+
+        reg = Registry(builtins=BUILTIN_PLUGINS if builtins == "all" else tuple(builtins), entry_points=False,
+                       environment=current, ranking=ranking)
+        backends = [p for p in plugins if isinstance(p, Backend)]
+
+        class BackendsPlugin:
+            @hookimpl
+            def register_backends(self, register):
+                for backend in backends:
+                    register(backend)
+
+        for i, plugin in enumerate(plugins):
+            if isinstance(plugin, Backend):
+                if plugin is backends[0]:
+                    reg.add_plugin(BackendsPlugin(), name="plugin")
+            elif isinstance(plugin, tuple):
+                reg.add_plugin(plugin[1], name=plugin[0])
+            else:
+                reg.add_plugin(plugin, name=f"plugin-{i}")
+
+        def install(env):
+            source[0] = env
+            return env
+
+        reg.install_env = install
+        return reg
+
+    return make
 
 
 @pytest.fixture

@@ -131,7 +131,7 @@ def nothing_runs(monkeypatch):
     (["--inplace-backward"], "only makes sense with --backward"),
     (["--op", "entropy", "--backward", "--inplace-backward"], "entropy has no inplace_backward option"),
     (["--hidden-size", "64"],
-     "--hidden-size only applies to ops with hidden states (logprobs_from_hidden, kl_divergence)"),
+     "--hidden-size only applies to ops with hidden states (logprobs_from_hidden, kl_divergence, token_stats)"),
     (["--op", "logprobs_from_hidden", "--hidden-size", "0"], "--hidden-size must be an integer of at least 1"),
     (["--plugin", "no_such_module_xyz"], "cannot import it"),
     (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
@@ -320,9 +320,10 @@ def test_suggestion_fits_and_refusal_gives_numbers():
 
 def test_the_bench_reads_its_ops_from_the_op_table():
     # every public op giving logprobs/entropy/KL (topk_logprobs returns ids; the shard ops have no public function)
-    assert st.bench_ops() == ("logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden", "kl_divergence")
+    assert st.bench_ops() == ("logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden", "kl_divergence",
+                              "token_stats")
     assert [st.uses_hidden_size(op) for op in st.bench_ops()] == [op == "logprobs_from_hidden" for op in st.bench_ops()]
-    assert [st.takes_hidden_size(op) for op in st.bench_ops()] == [False, False, False, True, True]
+    assert [st.takes_hidden_size(op) for op in st.bench_ops()] == [False, False, False, True, True, True]
     assert st.hidden_weights("kl_divergence") == {"student_weight": "student", "teacher_weight": "teacher"}
 
 
@@ -338,7 +339,7 @@ def test_workload_matches_the_reference(op, backward):
         diff, grad_diffs = max_differences(s, w.inputs, outs, w.grads())
         assert 0 <= diff < tol and len(outs) == len(s.outputs)
         wanted = set() if not backward else {"hidden", "weight"} if hidden else {"student"} if op == "kl_divergence" \
-            else {"logits"}
+            else {"inputs"} if op == "token_stats" else {"logits"}
         assert set(grad_diffs) == set(s.grad_inputs) == wanted
         assert all(0 < d < 1e-1 for d in grad_diffs.values())  # bfloat16 gradients are rounded
     # the textbook baseline in bfloat16 is visibly worse than float32 accumulation

@@ -22,7 +22,7 @@ from logprob_registry import reference as ref
 from logprob_registry.environment import Environment, get_environment
 from logprob_registry.kernels import compiled
 from logprob_registry.kernels.compiled import _kernels, _ops
-from logprob_registry.registry import Key, Registry
+from logprob_registry.registry import Key
 
 V = 300  # in the vocabulary buckets where compiled is the automatic choice (min_vocab=257)
 NO_COMPILER = compiled.available(get_environment(), "cpu")
@@ -104,7 +104,7 @@ def _verdict(registry, device="cpu", dtype=torch.float32):
     return next(v for v in registry.verdicts(key) if v.name == "compiled")
 
 
-def test_cpu_needs_a_cxx_compiler():
+def test_cpu_needs_a_cxx_compiler(make_registry):
     """Configured the way torch supports (``config.patch``, undone on exit; pytest 9.2's
     monkeypatch.setattr would delete the option on undo), with the compiler lookup's cache cleared
     and a fresh registry, so that nothing outlives the test."""
@@ -115,7 +115,7 @@ def test_cpu_needs_a_cxx_compiler():
         with config.patch({"cpp.cxx": (None, "/nonexistent/c++")}):
             compiled._found.cache_clear()
             reason = compiled.available(get_environment(), "cpu")
-            verdict = _verdict(Registry(entry_points=False, environment=get_environment()))
+            verdict = _verdict(make_registry(builtins="all", environment=get_environment()))
     finally:
         compiled._found.cache_clear()
     assert reason == (
@@ -127,7 +127,7 @@ def test_cpu_needs_a_cxx_compiler():
     assert compiled.available(get_environment(), "cpu") == NO_COMPILER
 
 
-def test_cuda_needs_triton_and_capability_7():
+def test_cuda_needs_triton_and_capability_7(make_registry):
     env = Environment.fake(torch="2.13.0", devices={"cuda": 1})
     assert compiled.available(env, "cuda") == "torch.compile on CUDA needs triton, and triton is not installed"
     env = Environment.fake(torch="2.13.0", devices={"cuda": 1}, triton="3.9.0", capability=(6, 1))
@@ -135,9 +135,10 @@ def test_cuda_needs_triton_and_capability_7():
     assert "found 6.1" in compiled.available(env, "cuda")
     env = Environment.fake(torch="2.13.0", devices={"cuda": 1}, triton="3.9.0")
     assert compiled.available(env, "cuda") is None
-    assert _verdict(Registry(entry_points=False, environment=env), "cuda", torch.bfloat16).reason is None
+    assert _verdict(make_registry(builtins="all", environment=env), "cuda", torch.bfloat16).reason is None
     env = Environment.fake(torch="2.5.1", devices={"cuda": 1}, triton="3.9.0")
-    assert _verdict(Registry(entry_points=False, environment=env), "cuda").reason == "needs torch>=2.6, found 2.5.1"
+    assert _verdict(make_registry(builtins="all", environment=env), "cuda").reason == \
+        "needs torch>=2.6, found 2.5.1"
 
 
 def test_disabled_torch_compile_makes_it_ineligible():

@@ -1,7 +1,7 @@
 """The sampler's keywords with ``process_group=`` (softcap, keep mask and ids, top_k, top_p, min_p,
 candidate labels, logits_dtype, topk_logprobs, a per-row temperature, sampler="hf" / "sglang"): one
 spawned gloo group of four per backend runs every case in groups of 1, 2 and 4 ranks
-(:func:`logprob_registry.testing.sections._distributed_cases.sampler_program`); here the results are
+(:func:`logprob_registry.testing.sections._distributed_cases.program`, its sampler family); here the results are
 compared with each other and with the unsharded float64 reference."""
 
 from __future__ import annotations
@@ -12,20 +12,22 @@ import pytest
 import torch
 
 import logprob_registry as lr
+from logprob_registry import processing, truncation
 from logprob_registry import reference as ref
 from logprob_registry.call import validate
-from logprob_registry.distributed import launch, processing, support
+from logprob_registry.distributed import launch, support
 from logprob_registry.testing.sections import _distributed_cases as dc
+from logprob_registry.testing.sections import _distributed_sampler as ds
 
-NAMES = tuple(dc.sampler_cases())
+NAMES = tuple(ds.sampler_cases())
 KINDS = ("single", "pair", "world")
 
 
 @functools.lru_cache(maxsize=None)
 def spawned(backend: str):
     """Every rank's results for every case, from one group of four (shared by the tests below)."""
-    results = launch.run(4, dc.sampler_program, backend, NAMES, timeout=600, collective_timeout=120)
-    return [r.unwrap() for r in results]
+    results = launch.run(4, dc.program, backend, "cpu", {"sampler": NAMES}, timeout=600, collective_timeout=120)
+    return [r.unwrap()["sampler"] for r in results]
 
 
 @pytest.mark.parametrize("backend", ["chunked", "naive"])
@@ -36,7 +38,7 @@ def test_every_rank_gets_the_unsharded_result_and_gradient(backend):
     every rank); with chunked (group_invariant) outputs and shard gradients are the same bits in
     every group size. Bad input raises on every rank of the group of four, without a hang."""
     ranks = spawned(backend)
-    assert dc.sampler_problems(ranks, NAMES, invariant=backend == "chunked") == []
+    assert ds.sampler_problems(ranks, NAMES, invariant=backend == "chunked") == []
 
 
 @pytest.mark.parametrize("backend", ["chunked", "naive"])
@@ -115,7 +117,7 @@ def test_shard_lists_merge_to_the_same_top_k_whatever_the_split():
         lists = [processing.top_list(y[:, r * width:(r + 1) * width], r * width, 50) for r in range(parts)]
         got = processing.merge_lists(torch.cat([v for v, _ in lists], 1), torch.cat([i for _, i in lists], 1), 50)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert torch.equal(want[1], ref.topk_ids(y, 50))
+    assert torch.equal(want[1], truncation.topk_ids(y, 50))
 
 
 def test_per_row_temperature_and_every_order_pass_the_support_check():
@@ -154,7 +156,7 @@ def test_per_row_values_and_temperature_equal_single_row_calls_bitwise(world, or
         assert torch.equal(lp[i:i + 1], got[0]) and torch.equal(ent[i:i + 1], got[1]), i
     every = torch.arange(vocab).expand(64, vocab)
     kept = torch.isfinite(lr.logprobs_from_logits(x, every, process_group=world, backend="chunked", **kw))
-    differ = (kept != ref.kept_tokens(x, **kw)).sum(-1)
+    differ = (kept != truncation.kept_tokens(x, **kw)).sum(-1)
     assert int(differ.max()) <= 1 and int((differ > 0).sum()) <= 3, differ
 
 
@@ -167,7 +169,7 @@ def test_ties_at_the_boundary_follow_the_engine(world, order):
     for kw in (dict(top_k=7), dict(top_k=7, top_p=0.6), dict(top_p=0.5, min_p=0.1)):
         kw["sampler"] = order
         kept = torch.isfinite(lr.logprobs_from_logits(x, every, process_group=world, backend="naive", **kw))
-        assert torch.equal(kept, ref.kept_tokens(x, **kw)), kw
+        assert torch.equal(kept, truncation.kept_tokens(x, **kw)), kw
     if order == "sglang":
         assert (kept.sum(-1) >= 1).all()
         top7 = torch.isfinite(lr.logprobs_from_logits(x, every, process_group=world, backend="naive", top_k=7,
@@ -177,7 +179,7 @@ def test_ties_at_the_boundary_follow_the_engine(world, order):
 
 def test_top_p_keeps_the_reference_set_but_for_rounding_at_the_boundary(world):
     """All 16384 tokens as candidate labels: the kept set (finite log-probabilities) equals vLLM's
-    procedure on the unsharded row (reference.kept_tokens) in at least 95% of the rows; elsewhere
+    procedure on the unsharded row (truncation.kept_tokens) in at least 95% of the rows; elsewhere
     by one token, at the top_p boundary (the mass above it summed in another order)."""
     rows = disagree = 0
     vocab = 16384
@@ -186,7 +188,7 @@ def test_top_p_keeps_the_reference_set_but_for_rounding_at_the_boundary(world):
         every = torch.arange(vocab).expand(16, vocab)
         for kw in (dict(top_p=0.9, top_k=50), dict(top_p=0.9), dict(top_p=0.95, min_p=0.02)):
             got = torch.isfinite(lr.logprobs_from_logits(x, every, process_group=world, backend="chunked", **kw))
-            differ = (got != ref.kept_tokens(x, **kw)).sum(-1)
+            differ = (got != truncation.kept_tokens(x, **kw)).sum(-1)
             assert int(differ.max()) <= 1, kw
             rows += differ.numel()
             disagree += int((differ > 0).sum())

@@ -18,6 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 README_LIMIT = 12288  # bytes: what a newcomer reads in five minutes
+CHANGELOG = ROOT / "CHANGELOG.md"
+UNRELEASED_BULLETS = 50  # one line per change a user would notice; details belong in docs/
+BULLET_LIMIT = 150       # characters of one CHANGELOG line
 SETUP_COMMAND = "pip install torch==2.13.0 && pip install -e . && logprob-registry info"
 
 # [text](target) and [text](target "title"); images too.
@@ -29,7 +32,7 @@ def _readme() -> str:
 
 
 def _markdown_files() -> list:
-    files = [README, *sorted(DOCS.rglob("*.md"))]
+    files = [README, CHANGELOG, *sorted(DOCS.rglob("*.md"))]
     files += sorted((ROOT / "plugins").glob("*/README.md"))
     return files
 
@@ -68,6 +71,30 @@ def test_readme_test_command_is_what_ci_runs():
         f"README.md's test command {commands} differs from the last line of .ci/run: {ci_last!r}")
 
 
+def _unreleased() -> str:
+    """CHANGELOG.md's ``## [Unreleased]`` section, up to the next ``## [`` heading."""
+    text = CHANGELOG.read_text(encoding="utf-8")
+    assert "\n## [Unreleased]" in text, "CHANGELOG.md has no ## [Unreleased] section"
+    return text.split("\n## [Unreleased]", 1)[1].split("\n## [", 1)[0]
+
+
+def test_changelog_unreleased_is_one_short_line_per_change():
+    """Keep a Changelog's form; at most 50 bullets of at most 150 characters, each one line (the
+    details are in the linked docs)."""
+    section = _unreleased()
+    bullets = [line for line in section.splitlines() if line.startswith("- ")]
+    assert bullets, "CHANGELOG.md's [Unreleased] section lists no change"
+    assert len(bullets) <= UNRELEASED_BULLETS, (
+        f"CHANGELOG.md's [Unreleased] section has {len(bullets)} bullets, more than {UNRELEASED_BULLETS}: "
+        "merge related changes into one line and leave the details to docs/")
+    long = [f"{len(b)}: {b[:60]}..." for b in bullets if len(b) > BULLET_LIMIT]
+    assert not long, f"CHANGELOG.md lines longer than {BULLET_LIMIT} characters: {long}"
+    continued = [line for line in section.splitlines() if line.startswith("  ")]
+    assert not continued, f"CHANGELOG.md's [Unreleased] bullets continue on other lines: {continued[:3]}"
+    headings = re.findall(r"^### (.+)$", section, flags=re.M)
+    assert set(headings) <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}, headings
+
+
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_op_signature_is_documented(op):
     """A backend's call for every op, as the op table says, in the hook's docs and docs/plugins.md,
@@ -86,7 +113,7 @@ def test_op_signature_is_documented(op):
 
 def test_markdown_files_found():
     names = {p.relative_to(ROOT).as_posix() for p in _markdown_files()}
-    assert {"README.md", "docs/architecture.md", "docs/plugins.md"} <= names
+    assert {"README.md", "CHANGELOG.md", "docs/architecture.md", "docs/plugins.md"} <= names
 
 
 @pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: p.relative_to(ROOT).as_posix())

@@ -73,7 +73,7 @@ def test_automatic_choice_falls_back_with_one_warning(flaky):
     assert lr.explain("logprobs", device="cpu", shape=logits.shape)["test-flaky"].status == "chosen"
 
 
-def test_the_last_eligible_backend_is_never_marked_broken():
+def test_the_last_eligible_backend_is_never_marked_broken(make_registry):
     """With nothing to fall back to, the backend's own error reaches the caller and nothing is
     marked: the next call tries it again instead of raising NoEligibleBackendError for good."""
     calls.clear()
@@ -85,11 +85,8 @@ def test_the_last_eligible_backend_is_never_marked_broken():
                                 devices={"my_accel"}))
 
     from logprob_registry.environment import Environment
-    from logprob_registry.registry import Registry
 
-    reg = Registry(builtins=(), entry_points=False,
-                   environment=Environment.fake(torch="2.6.0", devices={"my_accel": 1}))
-    reg.add_plugin(Alone(), name="alone")
+    reg = make_registry(("alone", Alone()), environment=Environment.fake(torch="2.6.0", devices={"my_accel": 1}))
     key = Key("entropy", "my_accel", torch.float32, False)
     for _ in range(2):
         with pytest.raises(RuntimeError, match="kernel exploded"):
@@ -170,13 +167,11 @@ class Degrading:
                             degradations=lambda: 1 / 0))
 
 
-def test_a_backend_reports_a_degradation_and_explain_and_info_show_it():
-    from logprob_registry.registry import Registry
+def test_a_backend_reports_a_degradation_and_explain_and_info_show_it(make_registry):
     from logprob_registry.report import info
 
-    reg = Registry(builtins=("logprob_registry.kernels.naive",), entry_points=False)
     plugin = Degrading()
-    reg.add_plugin(plugin, name="degrading")
+    reg = make_registry(("degrading", plugin), builtins=("logprob_registry.kernels.naive",))
     found = reg.degradations()
     assert [(d.backend, d.what) for d in found] == [
         ("test-degrading", "the bf16 path runs in float32"), ("test-bad-report", "its degradations() report")]

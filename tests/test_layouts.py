@@ -23,6 +23,7 @@ from logprob_registry.numerics import assert_close, tolerance
 V = 257
 LENGTHS = [1, 2, 7, 300, 33]
 IGNORE = -100
+OFFSETS = (2, 3)  # besides 1, the labels of multi-token-prediction depths
 BACKEND = "chunked"  # automatic choice may be `compiled`, which compiles per shape: slow on two cores
 
 
@@ -42,14 +43,34 @@ def _stream(lengths, seed=0):
     return ids, logits
 
 
-def _expected(ids, lengths):
+def _expected(ids, lengths, offset=1):
     """The shift written by hand, sequence by sequence."""
     out, start = [], 0
     for n in lengths:
         seq = ids[start:start + n]
-        out.append(torch.cat([seq[1:], torch.tensor([IGNORE])]) if n else seq.new_zeros(0))
+        out.append(torch.cat([seq[offset:], torch.full((min(offset, n),), IGNORE)]) if n else seq.new_zeros(0))
         start += n
     return torch.cat(out)
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_offset_scores_the_token_k_ahead_within_each_sequence(offset):
+    ids, _ = _stream(LENGTHS)
+    want = _expected(ids, LENGTHS, offset)
+    assert torch.equal(lr.next_token_labels(ids, cu_seqlens=_cu(LENGTHS), offset=offset), want)
+    assert torch.equal(lr.next_token_labels(ids, position_ids=_positions_of(LENGTHS), offset=offset), want)
+    batch = ids[:40].view(4, 10)
+    rows = torch.stack([_expected(row, [10], offset) for row in batch])
+    assert torch.equal(lr.next_token_labels(batch, offset=offset), rows)
+
+
+@pytest.mark.parametrize("offset, kind, message", [(0, ValueError, "offset must be >= 1"),
+                                                   (-2, ValueError, "offset must be >= 1"),
+                                                   (1.0, TypeError, "offset must be an int"),
+                                                   (True, TypeError, "offset must be an int")])
+def test_a_bad_offset_names_it(offset, kind, message):
+    with pytest.raises(kind, match=message):
+        lr.next_token_labels(torch.arange(6), offset=offset)
 
 
 # ------------------------------------------------------------------------------ one process
@@ -181,6 +202,8 @@ def _rank_side(rank, world):
         labels = lr.next_token_labels(mine_ids, cp_group=group, cp_layout=layout, **kw)
         out[name] = (labels, lr.logprobs_from_logits(mine_logits, labels, ignore_index=IGNORE, backend=BACKEND),
                      lr.layouts.exchanged())
+        for offset in OFFSETS:  # a multi-token-prediction head's labels
+            out[name, offset] = lr.next_token_labels(mine_ids, cp_group=group, cp_layout=layout, offset=offset, **kw)
     # bad input: on one rank only (the others valid), and on every rank; then a good call, in step
     ids = torch.arange(12 * world)[rank * 12:(rank + 1) * 12]
     errors = {}
@@ -244,6 +267,12 @@ def test_each_rank_gets_the_single_process_labels_and_bitwise_logprobs(groups, w
                 assert torch.equal(groups[world][r][name][0], labels[index[r]]), (name, r)
                 got[index[r]], got_logprobs[index[r]] = groups[world][r][name][:2]
         assert torch.equal(got, labels)
+        for offset in OFFSETS:
+            kw = {} if how == "batch" else dict(cu_seqlens=_cu(lengths))
+            whole = lr.next_token_labels(ids, offset=offset, **kw)
+            for r in range(world):
+                mine = whole[:, index[r]] if how == "batch" else whole[index[r]]
+                assert torch.equal(groups[world][r][name, offset], mine), (name, offset, r)
         want = lr.logprobs_from_logits(logits, labels, ignore_index=IGNORE, backend=BACKEND)
         assert torch.equal(got_logprobs, want), name  # bitwise, gathered back in order
         rows = ids.shape[0] if how == "batch" else 1

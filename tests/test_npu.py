@@ -28,7 +28,7 @@ from logprob_registry import environment
 from logprob_registry import reference as ref
 from logprob_registry.environment import Environment, detect
 from logprob_registry.kernels import npu
-from logprob_registry.registry import Key, Registry
+from logprob_registry.registry import Key
 
 STAND_IN = '''"""Stand-in torch_npu for logprob-registry's tests: it computes nothing and has no ops."""
 '''
@@ -65,13 +65,18 @@ def _fake_torch_npu_namespace(monkeypatch, count):
     monkeypatch.setattr(torch, "npu", namespace, raising=False)
 
 
-def _verdict(env, op="logprobs", device="npu", dtype=torch.float32):
-    """What a registry of the built-in backends explains in ``env`` (a fresh one: no global)."""
-    return Registry(entry_points=False, environment=env).explain(Key(op, device, dtype, True))
+@pytest.fixture
+def verdict(make_registry):
+    """``verdict(env, op, device, dtype)``: what a registry of the built-in backends explains in
+    ``env`` (a fresh one: no global)."""
+    def explain(env, op="logprobs", device="npu", dtype=torch.float32):
+        return make_registry(builtins="all", environment=env).explain(Key(op, device, dtype, True))
+
+    return explain
 
 
 # --------------------------------------------------------------------------------------- detection
-def test_detect_without_torch_npu(isolated):
+def test_detect_without_torch_npu(isolated, verdict):
     real_find_spec = importlib.util.find_spec
     isolated.setattr(importlib.util, "find_spec",
                      lambda name, *a: None if name == "torch_npu" else real_find_spec(name, *a))
@@ -79,20 +84,20 @@ def test_detect_without_torch_npu(isolated):
     assert "npu" not in env.devices
     assert env.torch_npu_version is None
     assert env.device_count("npu") == 0
-    assert _verdict(env)["npu"].reason == "no NPU device"
+    assert verdict(env)["npu"].reason == "no NPU device"
 
 
-def test_detect_torch_npu_without_a_device(isolated, tmp_path):
+def test_detect_torch_npu_without_a_device(isolated, tmp_path, verdict):
     _install_stand_in(isolated, tmp_path)
     _fake_torch_npu_namespace(isolated, 0)
     env = detect()
     assert env.devices["npu"].count == 0
     assert str(env.torch_npu_version) == "2.1.0"
     assert env.main_device == "cpu"
-    assert _verdict(env)["npu"].reason == "no NPU device"
+    assert verdict(env)["npu"].reason == "no NPU device"
 
 
-def test_detect_torch_npu_with_devices(isolated, tmp_path):
+def test_detect_torch_npu_with_devices(isolated, tmp_path, verdict):
     _install_stand_in(isolated, tmp_path)
     _fake_torch_npu_namespace(isolated, 8)
     env = detect()
@@ -100,19 +105,18 @@ def test_detect_torch_npu_with_devices(isolated, tmp_path):
     assert info.count == 8 and info.names[0] == "Ascend910B0"
     assert env.main_device == "npu"
     assert str(env.torch_npu_version) == "2.1.0"
-    explanation = _verdict(env)
+    explanation = verdict(env)
     # The stand-in is a real module without the fused op: the availability check says so.
     assert explanation["npu"].reason == "torch_npu 2.1.0 has no npu_cross_entropy_loss; upgrade torch_npu"
     assert explanation.chosen == explanation.eligible[0] != "npu"
 
 
-def test_detect_torch_npu_that_fails_to_import(isolated, tmp_path):
+def test_detect_torch_npu_that_fails_to_import(isolated, tmp_path, verdict):
     _install_stand_in(isolated, tmp_path, body='raise ImportError("stand-in: libascendcl.so not found")\n')
     _fake_torch_npu_namespace(isolated, 8)
     env = detect()
     assert env.devices["npu"].count == 0  # present but unusable: no NPU for us
-    verdict = _verdict(env)["npu"]
-    assert verdict.reason == "no NPU device"
+    assert verdict(env)["npu"].reason == "no NPU device"
 
 
 def test_detect_torch_npu_without_torch_npu_namespace(isolated, tmp_path):
@@ -123,8 +127,8 @@ def test_detect_torch_npu_without_torch_npu_namespace(isolated, tmp_path):
 
 # ------------------------------------------------------------------------------------- eligibility
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_chosen_on_npu_when_torch_npu_has_devices(isolated, dtype):
-    explanation = _verdict(Environment.fake(devices={"npu": 8}, torch_npu="2.1.0"), dtype=dtype)
+def test_chosen_on_npu_when_torch_npu_has_devices(isolated, dtype, verdict):
+    explanation = verdict(Environment.fake(devices={"npu": 8}, torch_npu="2.1.0"), dtype=dtype)
     assert explanation["npu"].eligible
     assert explanation.chosen == "npu"
 
@@ -142,8 +146,8 @@ def test_chosen_on_npu_when_torch_npu_has_devices(isolated, dtype):
          "runs on npu, not cpu"),
     ],
 )
-def test_not_eligible(isolated, env_kwargs, op, device, dtype, reason):
-    explanation = _verdict(Environment.fake(**env_kwargs), op=op, device=device, dtype=dtype)
+def test_not_eligible(isolated, env_kwargs, op, device, dtype, reason, verdict):
+    explanation = verdict(Environment.fake(**env_kwargs), op=op, device=device, dtype=dtype)
     assert explanation["npu"].reason == reason
     if "no NPU device" in reason:
         assert explanation.chosen is None

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import logprob_registry as lr
-from logprob_registry import reference as ref
+from logprob_registry import truncation
 
 ROWS, VOCAB, HIDDEN = 64, 97, 16
 BACKENDS = ("naive", "chunked")
@@ -184,9 +184,9 @@ def test_hf_order_equals_transformers_warpers():
     x = _order_rows()
     kw = ORDER_CASE
     want = _hf_kept(x, **kw)
-    hf = ref.kept_tokens(x, sampler="hf", **kw)
+    hf = truncation.kept_tokens(x, sampler="hf", **kw)
     assert torch.equal(hf, want)
-    vllm = ref.kept_tokens(x, **kw)
+    vllm = truncation.kept_tokens(x, **kw)
     assert int((vllm != want).any(-1).sum()) >= 64  # the rows were built so that the orders disagree
     # and the public functions follow it: a token vLLM's order drops and transformers' keeps
     row, label = ((hf & ~vllm).nonzero()[0]).tolist()
@@ -197,7 +197,7 @@ def test_hf_order_equals_transformers_warpers():
     # per row: each row's values as transformers' own call with them
     params = dict(temperature=torch.rand(64) + 0.5, top_k=torch.randint(1, 8, (64,)),
                   top_p=torch.rand(64) * 0.5 + 0.5, min_p=torch.rand(64) * 0.4)
-    rows = ref.kept_tokens(x[:64], sampler="hf", **params)
+    rows = truncation.kept_tokens(x[:64], sampler="hf", **params)
     for i in range(64):
         one = {k: (v[i].item()) for k, v in params.items()}
         assert torch.equal(rows[i:i + 1], _hf_kept(x[i:i + 1], **one)), i
@@ -225,12 +225,12 @@ def _sglang_kept(x, temperature, top_k, top_p, min_p):
 def test_sglang_order_equals_its_transcription_and_breaks_ties_by_position():
     x = _order_rows(seed=8)
     kw = ORDER_CASE
-    assert torch.equal(ref.kept_tokens(x, sampler="sglang", **kw), _sglang_kept(x, **kw))
+    assert torch.equal(truncation.kept_tokens(x, sampler="sglang", **kw), _sglang_kept(x, **kw))
     # a tie at the k-th value: vLLM and transformers keep every copy, SGLang exactly k (the lower ids)
     tie = torch.tensor([[5.0, 3.0, 3.0, 3.0, 1.0, 0.0]])
-    assert ref.kept_tokens(tie, top_k=2, sampler="sglang").tolist() == [[True, True, False, False, False, False]]
-    assert ref.kept_tokens(tie, top_k=2).tolist() == [[True, True, True, True, False, False]]
-    assert ref.kept_tokens(tie, top_k=2, sampler="hf").tolist() == [[True, True, True, True, False, False]]
+    assert truncation.kept_tokens(tie, top_k=2, sampler="sglang").tolist() == [[True, True, False, False, False, False]]
+    assert truncation.kept_tokens(tie, top_k=2).tolist() == [[True, True, True, True, False, False]]
+    assert truncation.kept_tokens(tie, top_k=2, sampler="hf").tolist() == [[True, True, True, True, False, False]]
     for backend in BACKENDS:
         lp = lr.logprobs_from_logits(tie.expand(3, 6), torch.tensor([1, 2, 3]), top_k=2, sampler="sglang",
                                      backend=backend)

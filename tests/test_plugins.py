@@ -8,7 +8,7 @@ import torch
 
 import logprob_registry as lr
 from logprob_registry.cli import main
-from logprob_registry.registry import Key, Registry
+from logprob_registry.registry import Key
 
 
 def _op(*args, **kwargs):
@@ -76,10 +76,9 @@ class BadPriority:
         register(lr.Backend(name="test-bad-priority", ops={"logprobs": _op}, priority="10"))
 
 
-def test_a_bad_field_is_a_failure_of_that_plugin_and_the_next_plugins_load():
-    reg = Registry(builtins=("logprob_registry.kernels.naive",), entry_points=False)
-    reg.add_plugin(BadPriority(), name="test-bad-priority-plugin")
-    reg.add_plugin(Good(), name="test-good-plugin")
+def test_a_bad_field_is_a_failure_of_that_plugin_and_the_next_plugins_load(make_registry):
+    reg = make_registry(("test-bad-priority-plugin", BadPriority()), ("test-good-plugin", Good()),
+                        builtins=("logprob_registry.kernels.naive",))
     assert {b.name for b in reg.backends()} >= {"naive", "test-good"}
     (failure,) = reg.failures()
     assert failure.plugin == "test-bad-priority-plugin"
@@ -87,9 +86,8 @@ def test_a_bad_field_is_a_failure_of_that_plugin_and_the_next_plugins_load():
                                     "must be an int")
 
 
-def test_a_failing_builtin_module_is_reported():
-    reg = Registry(builtins=("logprob_registry.kernels.naive", "logprob_registry.kernels.does_not_exist"),
-                   entry_points=False)
+def test_a_failing_builtin_module_is_reported(make_registry):
+    reg = make_registry(builtins=("logprob_registry.kernels.naive", "logprob_registry.kernels.does_not_exist"))
     assert [b.name for b in reg.backends()] == ["naive"]
     (failure,) = reg.failures()
     assert failure.plugin == "builtin:does_not_exist"
@@ -117,14 +115,13 @@ def test_backend_record_normalises():
     assert b.devices == frozenset({"cuda"}) and b.requires == ("foo",)
 
 
-def test_missing_required_module_reason():
+def test_missing_required_module_reason(make_registry):
     class P:
         @lr.hookimpl
         def register_backends(self, register):
             register(lr.Backend(name="needs-lib", ops={"logprobs": _op}, requires=("surely_not_a_module_xyz",)))
 
-    reg = Registry(builtins=(), entry_points=False)
-    reg.add_plugin(P(), name="p")
+    reg = make_registry(("p", P()))
     report = reg.explain(Key("logprobs", "cpu", torch.float32, False))
     assert report["needs-lib"].reason == "surely_not_a_module_xyz is not installed"
 
@@ -139,7 +136,7 @@ def test_import_is_light():
     assert out[1] == lr.select("logprobs", device="cpu").name
 
 
-def test_deprecated_keywords_still_work_with_a_warning():
+def test_deprecated_keywords_still_work_with_a_warning(make_registry):
     """triton=SPEC, available_on=f(env, device) and a one-argument available=f(env) keep working
     for one release, each with a DeprecationWarning naming the replacement."""
     from logprob_registry.environment import Environment
@@ -160,9 +157,7 @@ def test_deprecated_keywords_still_work_with_a_warning():
             for b in (old_triton, old_on, old_one):
                 register(b)
 
-    reg = Registry(builtins=(), entry_points=False,
-                   environment=Environment.fake(torch="2.6.0", devices={"cuda": 1}, triton="2.9"))
-    reg.add_plugin(P(), name="p")
+    reg = make_registry(("p", P()), environment=Environment.fake(torch="2.6.0", devices={"cuda": 1}, triton="2.9"))
     cuda = reg.explain(Key("logprobs", "cuda", torch.float32, False))
     assert cuda["old-triton"].reason == "needs triton>=3.0, found 2.9"
     assert cuda["old-on"].reason == "no CUDA here"

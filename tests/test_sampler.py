@@ -12,6 +12,7 @@ import torch
 
 import logprob_registry as lr
 from logprob_registry import reference as ref
+from logprob_registry import truncation
 from logprob_registry.benchmark.memory import MemoryMeasurementUnavailable, peak_extra_bytes, pin_mmap_threshold
 from logprob_registry.kernels import chunked
 from logprob_registry.kernels.chunked import _hidden, _sampler
@@ -168,16 +169,16 @@ def test_logits_dtype_softcap_is_the_engines_three_ops_bitwise(dtype):
     x = _every_value(dtype)
     for cap in (30.0, 50.0, 5.0, 0.7):
         engine = _engine_softcap(x, cap).float()
-        got = ref.processed_logits(x, softcap=cap, logits_dtype=dtype, dtype=torch.float32)
+        got = truncation.processed_logits(x, softcap=cap, logits_dtype=dtype, dtype=torch.float32)
         assert torch.equal(got, engine), (dtype, cap, int((got != engine).sum()))
-        scaled = ref.processed_logits(x, softcap=cap, logits_dtype=dtype, temperature=0.7, dtype=torch.float32)
+        scaled = truncation.processed_logits(x, softcap=cap, logits_dtype=dtype, temperature=0.7, dtype=torch.float32)
         assert torch.equal(scaled, engine / torch.tensor(0.7)), (dtype, cap)
         plan = _sampler.make_plan((1, x.numel()), torch.float32, x.device, 1 << 30, temperature=0.7, softcap=cap,
                                   top_k=None, top_p=None, min_p=None, keep=None)
         plan.logits_dtype = dtype
         z, _, _ = _sampler._processed(x.float()[None], plan)
         assert torch.equal(z[0], scaled), (dtype, cap)
-        once = ref.processed_logits(x, softcap=cap, dtype=torch.float32)
+        once = truncation.processed_logits(x, softcap=cap, dtype=torch.float32)
         assert not torch.equal(once, engine)
 
 
@@ -186,7 +187,7 @@ def test_logits_dtype_softcap_special_values_and_gradient():
     ``1 - tanh(u)**2`` at the rounded ``u = x / cap``, straight through each rounding, in float64."""
     x = torch.tensor([float("-inf"), float("inf"), float("nan"), 0.0, 1.0, -7.25, 29.5, 61.0, -300.0],
                      dtype=torch.bfloat16).double().requires_grad_(True)
-    s = ref.softcapped(x, 30.0, torch.bfloat16)
+    s = truncation.softcapped(x, 30.0, torch.bfloat16)
     engine = _engine_softcap(x.detach()[1:].to(torch.bfloat16), 30.0).double()
     assert s[0].item() == NEG and s[1].item() == 30.0 and math.isnan(s[2].item())
     assert torch.equal(s[3:].detach(), engine[2:])
@@ -260,7 +261,7 @@ def test_softcap_without_logits_dtype_is_computed_once_as_before():
     x = _every_value(torch.bfloat16)
     x64 = x.double()
     once = torch.where(torch.isneginf(x64), x64, torch.tanh(x64 / 30.0) * 30.0).float()
-    assert torch.equal(ref.processed_logits(x, softcap=30.0, dtype=torch.float32), once)
+    assert torch.equal(truncation.processed_logits(x, softcap=30.0, dtype=torch.float32), once)
     h, w = _exact_hidden(rows=3, vocab=500)
     y = torch.randint(0, 500, (3,), generator=torch.Generator().manual_seed(3))
     for backend in ("naive", "chunked"):
@@ -305,13 +306,13 @@ def test_chunked_top_p_sorts_at_most_a_chunk_of_rows(monkeypatch):
     """V = 262144: each sort gets at most the chunk's rows (one here, as 48 bytes a logit exceed
     the 8 MiB default)."""
     sorted_rows = []
-    original = ref.sorted_values
+    original = truncation.sorted_values
 
     def spy(y):
         sorted_rows.append(y.shape[0])
         return original(y)
 
-    monkeypatch.setattr(ref, "sorted_values", spy)
+    monkeypatch.setattr(truncation, "sorted_values", spy)
     x = torch.randn(6, 262144)
     lr.logprobs_from_logits(x, torch.zeros(6, dtype=torch.long), top_p=0.9, backend="chunked")
     rows = _sampler.rows_per_chunk(262144, True, chunked.workspace_bytes())
@@ -353,7 +354,7 @@ def _full_vocab(logits, labels, *, temperature, ignore_index, inplace_backward, 
     """The trainers' bug: normalised over the full vocabulary, -inf outside the kept set."""
     full = ref.logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=torch.float32,
                         softcap=sampler.get("softcap"))
-    kept = ref.kept_tokens(logits, temperature=temperature, **sampler).gather(-1, labels.unsqueeze(-1))[..., 0]
+    kept = truncation.kept_tokens(logits, temperature=temperature, **sampler).gather(-1, labels.unsqueeze(-1))[..., 0]
     return torch.where(kept, full, NEG)
 
 
@@ -361,9 +362,9 @@ def _exactly_k(logits, labels, *, temperature, ignore_index, inplace_backward, t
     """vLLM's Triton semantics: exactly k tokens kept, the lower ids among ties."""
     keep = sampler.pop("keep", None)
     if top_k is not None:
-        ids = ref.topk_ids(ref.processed_logits(logits, temperature=temperature, dtype=torch.float32), top_k)
-        exactly = ref.keep_mask(ids, logits.shape[-1])
-        keep = exactly if keep is None else exactly & ref.keep_mask(keep, logits.shape[-1])
+        ids = truncation.topk_ids(truncation.processed_logits(logits, temperature=temperature, dtype=torch.float32), top_k)
+        exactly = truncation.keep_mask(ids, logits.shape[-1])
+        keep = exactly if keep is None else exactly & truncation.keep_mask(keep, logits.shape[-1])
     return ref.logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=torch.float32,
                         keep=keep, **sampler)
 
@@ -375,9 +376,9 @@ def _softcap_after_temperature(logits, labels, *, temperature, ignore_index, inp
 def _gradient_through_dropped_labels(logits, labels, *, temperature, ignore_index, inplace_backward, **sampler):
     """log_softmax over the kept tokens, then a plain gather: a dropped label's -inf passes its
     upstream gradient to the kept tokens."""
-    z = ref.processed_logits(logits, temperature=temperature, softcap=sampler.pop("softcap", None),
+    z = truncation.processed_logits(logits, temperature=temperature, softcap=sampler.pop("softcap", None),
                              dtype=torch.float32)
-    kept = ref.kept_tokens(logits, temperature=temperature, **sampler)
+    kept = truncation.kept_tokens(logits, temperature=temperature, **sampler)
     return z.masked_fill(~kept, NEG).log_softmax(-1).gather(-1, labels.unsqueeze(-1))[..., 0]
 
 
@@ -385,9 +386,9 @@ def _top_p_before_top_k(logits, labels, *, temperature, ignore_index, inplace_ba
     """top_p on the full distribution, then top_k (the wrong order)."""
     top_k, top_p = sampler.pop("top_k", None), sampler.pop("top_p", None)
     kw = dict(temperature=temperature, softcap=sampler.get("softcap"))
-    keep = ref.kept_tokens(logits, top_p=top_p, **kw) & ref.kept_tokens(logits, top_k=top_k, **kw)
+    keep = truncation.kept_tokens(logits, top_p=top_p, **kw) & truncation.kept_tokens(logits, top_k=top_k, **kw)
     if sampler.get("keep") is not None:
-        keep &= ref.keep_mask(sampler.pop("keep"), logits.shape[-1])
+        keep &= truncation.keep_mask(sampler.pop("keep"), logits.shape[-1])
     sampler.pop("keep", None)
     return ref.logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=torch.float32,
                         keep=keep, **sampler)

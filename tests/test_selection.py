@@ -5,7 +5,7 @@ import torch
 
 import logprob_registry as lr
 from logprob_registry.environment import Environment
-from logprob_registry.registry import Key, NoEligibleBackendError, Registry
+from logprob_registry.registry import Key, NoEligibleBackendError
 
 
 def _op(*args, **kwargs):
@@ -27,36 +27,15 @@ class LikeBuiltins:
         register(lr.Backend(name="modern", ops=ops, devices={"cpu", "cuda"}, priority=20, torch=">=2.5"))
 
 
-class _Env:
-    """The environment a test registry sees: replaced by ``install``, read at every selection."""
-
-    def __init__(self):
-        self.env = Environment.fake(torch="2.6.0")
-
-    def __call__(self):
-        return self.env
-
-
-def make_registry(*plugins, env=None):
-    """A registry of only these plugins, in its own (fake) environment: no global is touched."""
-    source = _Env()
-    reg = Registry(builtins=(), entry_points=False, environment=source)
-    if env is not None:
-        source.env = env
-    for i, plugin in enumerate(plugins):
-        reg.add_plugin(plugin, name=f"plugin-{i}")
-
-    def install(new_env):
-        source.env = new_env
-        return new_env
-
-    reg.install_env = install
-    return reg
+def _torch_2_6():
+    """The fake environment a test registry starts in (its ``install_env`` replaces it)."""
+    return Environment.fake(torch="2.6.0")
 
 
 @pytest.fixture
-def registry():
-    return make_registry(LikeBuiltins())
+def registry(make_registry):
+    """The built-in-like backends alone, in a fake environment: no global is touched."""
+    return make_registry(LikeBuiltins(), environment=_torch_2_6())
 
 
 def verdicts(reg, key):
@@ -130,10 +109,10 @@ def test_torch_below_specifier(registry):
     assert why["modern"] == "needs torch>=2.5, found 2.1.0"
 
 
-def test_ties_broken_by_name_not_registration_order():
+def test_ties_broken_by_name_not_registration_order(make_registry):
     names = []
     for order in (("b-twin", "a-twin"), ("a-twin", "b-twin")):
-        reg = make_registry()
+        reg = make_registry(environment=_torch_2_6())
         for name in order:
             plugin = type("P", (), {"register_backends": lr.hookimpl(
                 lambda self, register, name=name: register(lr.Backend(name=name, ops={"logprobs": _op}, priority=5)))})()
@@ -142,7 +121,7 @@ def test_ties_broken_by_name_not_registration_order():
     assert names == ["a-twin", "a-twin"]
 
 
-def test_availability_check_reason():
+def test_availability_check_reason(make_registry):
     def needs_hopper(env, device_type):
         assert device_type == "cuda"
         return None if env.cuda_capability >= (9, 0) else f"needs CUDA capability 9.0, found {env.cuda_capability[0]}.{env.cuda_capability[1]}"
@@ -153,7 +132,7 @@ def test_availability_check_reason():
             register(lr.Backend(name="hopper", ops={"logprobs": _op}, devices={"cuda"}, priority=9, available=needs_hopper))
             register(lr.Backend(name="any", ops={"logprobs": _op}, devices={"cuda"}))
 
-    reg = make_registry(P(), env=Environment.fake(torch="2.6.0", devices={"cuda": 1}, capability=(7, 0)))
+    reg = make_registry(P(), environment=Environment.fake(torch="2.6.0", devices={"cuda": 1}, capability=(7, 0)))
     chosen, why = verdicts(reg, Key("logprobs", "cuda", torch.float32, False))
     assert (chosen, why) == ("any", {"hopper": "needs CUDA capability 9.0, found 7.0"})
 
@@ -161,8 +140,8 @@ def test_availability_check_reason():
 def test_selection_is_cached_per_key_and_environment(registry):
     key = Key("logprobs", "cpu", torch.float32, False)
     calls = []
-    original = registry._dispatcher.verdicts
-    registry._dispatcher.verdicts = lambda k, *strict: calls.append(k) or original(k, *strict)
+    original = registry.verdicts
+    registry.verdicts = lambda k, *strict: calls.append(k) or original(k, *strict)
     assert registry.select(key) is registry.select(key)
     assert calls == [key]
     registry.install_env(Environment.fake(torch="2.1.0"))  # a new environment: chosen again
@@ -170,7 +149,7 @@ def test_selection_is_cached_per_key_and_environment(registry):
     assert calls == [key, key]
 
 
-def test_a_transient_availability_failure_is_not_cached():
+def test_a_transient_availability_failure_is_not_cached(make_registry):
     """An availability check that raises (say, a module half imported by another thread) says so in
     explain, and the next selection asks again instead of keeping the answer for the process."""
     state = {"raise": True}
@@ -186,7 +165,7 @@ def test_a_transient_availability_failure_is_not_cached():
             register(lr.Backend(name="flaky", ops={"logprobs": _op}, priority=9, available=flaky))
             register(lr.Backend(name="steady", ops={"logprobs": _op}, priority=1))
 
-    reg = make_registry(P())
+    reg = make_registry(P(), environment=_torch_2_6())
     key = Key("logprobs", "cpu", torch.float32, False)
     assert reg.explain(key)["flaky"].reason == (
         "its availability check raised AttributeError: module 'torch._dynamo' has no attribute 'config'")
@@ -196,7 +175,7 @@ def test_a_transient_availability_failure_is_not_cached():
     assert reg.select(key, backend="flaky").name == "flaky"
 
 
-def test_any_device_type_and_requirement_strings_with_reasons():
+def test_any_device_type_and_requirement_strings_with_reasons(make_registry):
     """A backend for a device type torch can name but the registry never heard of (hpu, a
     PrivateUse1 backend) registers and is ranked like any other; an unmet PEP 508 requirement is
     named in explain."""
@@ -212,8 +191,8 @@ def test_any_device_type_and_requirement_strings_with_reasons():
                                 requires=("packaging>=20", "pluggy")))
             register(lr.Backend(name="custom", ops={"logprobs": _op}, devices={"my_accel"}, priority=10))
 
-    reg = make_registry(P(), env=Environment.fake(torch="2.6.0", devices={"hpu": 8},
-                                                  distributions={"packaging": "24.1", "pluggy": "1.6.0"}))
+    reg = make_registry(P(), environment=Environment.fake(torch="2.6.0", devices={"hpu": 8},
+                                                          distributions={"packaging": "24.1", "pluggy": "1.6.0"}))
     report = reg.explain(Key("logprobs", "hpu", torch.bfloat16, False))
     assert report.chosen == "met"
     assert report["gaudi"].reason == "habana_frameworks is not installed"
@@ -222,8 +201,7 @@ def test_any_device_type_and_requirement_strings_with_reasons():
     assert "needs packaging>=999, found 24.1" in str(report)
     assert reg.explain(Key("logprobs", "my_accel", torch.float32, False))["custom"].reason == "no MY_ACCEL device"
     # the real registry, on this machine: the real packaging is older than 999
-    real = Registry(builtins=(), entry_points=False)
-    real.add_plugin(P(), name="p")
+    real = make_registry(("p", P()))
     assert real.explain(Key("logprobs", "cpu", torch.float32, False))["future"].reason.startswith(
         "needs packaging>=999, found ")
 

@@ -11,7 +11,7 @@ import torch
 import logprob_registry as lr
 from logprob_registry.config import ConfigError
 from logprob_registry.environment import Environment
-from logprob_registry.registry import Key, NoEligibleBackendError, Registry, strict_in_force
+from logprob_registry.registry import Key, NoEligibleBackendError, strict_in_force
 
 raised = []
 
@@ -133,30 +133,19 @@ def test_a_backend_without_batch_invariance_is_never_chosen_under_strict(unpromi
     assert "strict" not in str(lr.explain("logprobs", device="cpu", shape=shape))
 
 
-def _registry(*backends):
-    class Plugin:
-        @lr.hookimpl
-        def register_backends(self, register):
-            for b in backends:
-                register(b)
-
-    reg = Registry(builtins=(), entry_points=False, environment=Environment.fake(torch="2.6.0"))
-    reg.add_plugin(Plugin(), name="plugin")
-    return reg
-
-
 def _never(*args, **kwargs):
     raise AssertionError("selection tests never run an op")
 
 
-def test_each_promise_is_required_and_group_invariance_for_the_shard_ops():
+def test_each_promise_is_required_and_group_invariance_for_the_shard_ops(make_registry):
     ops = {"logprobs": _never, "shard_stats": _never}
-    reg = _registry(
+    reg = make_registry(
         lr.Backend(name="fast-unordered", ops=ops, priority=40, batch_invariant=True, deterministic=False,
                    group_invariant=True),
         lr.Backend(name="batchy", ops=ops, priority=30, batch_invariant=False),
         lr.Backend(name="local-only", ops=ops, priority=20, batch_invariant=True),
         lr.Backend(name="everything", ops=ops, priority=10, batch_invariant=True, group_invariant=True),
+        environment=Environment.fake(torch="2.6.0"),
     )
     logprobs = Key("logprobs", "cpu", torch.float32, False)
     shard = Key("shard_stats", "cpu", torch.float32, False)
@@ -171,8 +160,9 @@ def test_each_promise_is_required_and_group_invariance_for_the_shard_ops():
     assert report["everything"].status == "chosen"
 
 
-def test_nothing_promising_raises_saying_how_to_fix():
-    reg = _registry(lr.Backend(name="batchy", ops={"logprobs": _never}, batch_invariant=False))
+def test_nothing_promising_raises_saying_how_to_fix(make_registry):
+    reg = make_registry(lr.Backend(name="batchy", ops={"logprobs": _never}, batch_invariant=False),
+                        environment=Environment.fake(torch="2.6.0"))
     key = Key("logprobs", "cpu", torch.float32, False)
     assert reg.select(key).name == "batchy"
     with lr.strict(), pytest.raises(NoEligibleBackendError, match=r"in strict mode \(lr.strict\(\)\).*"

@@ -25,7 +25,7 @@ import logprob_registry as lr
 from logprob_registry import reference as ref
 from logprob_registry.environment import Environment
 from logprob_registry.kernels import triton as triton_plugin
-from logprob_registry.registry import Key, Registry
+from logprob_registry.registry import Key
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = triton_plugin.interpreter_requested()
@@ -110,8 +110,8 @@ def test_registration_follows_the_interpreter_setting():
         (dict(torch="2.13.0", triton="3.9.0"), "no CUDA device"),
     ],
 )
-def test_eligibility_on_cuda(env_kwargs, reason):
-    registry = Registry(entry_points=False, environment=Environment.fake(**env_kwargs))
+def test_eligibility_on_cuda(env_kwargs, reason, make_registry):
+    registry = make_registry(builtins="all", environment=Environment.fake(**env_kwargs))
     verdict = registry.explain(Key("logprobs", "cuda", torch.bfloat16, True))["triton"]
     assert verdict.reason == reason
     if reason is None:  # the highest built-in priority wins where it is eligible; not the interpreter

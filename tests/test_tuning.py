@@ -12,7 +12,7 @@ import torch
 import logprob_registry as lr
 from logprob_registry.cli import main
 from logprob_registry.environment import Environment
-from logprob_registry.registry import Key, Registry, vocab_bucket
+from logprob_registry.registry import Key, vocab_bucket
 from logprob_registry.registry.key import bucket_range
 from logprob_registry.tuning import cache
 
@@ -32,17 +32,15 @@ class Three:
 ENV = Environment.fake(torch="2.6.0")
 
 
-def _tuned(tmp_path, monkeypatch, plugin, name):
+def _tuned(make_registry, tmp_path, monkeypatch, plugin, name):
     """A registry of ``plugin`` alone whose ranking is a tuning file in ``tmp_path``."""
     monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", str(tmp_path / "tuning.json"))
-    reg = Registry(builtins=(), entry_points=False, environment=ENV, ranking=cache.Tuning())
-    reg.add_plugin(plugin, name=name)
-    return reg
+    return make_registry((name, plugin), environment=ENV, ranking=cache.Tuning())
 
 
 @pytest.fixture
-def registry(tmp_path, monkeypatch):
-    return _tuned(tmp_path, monkeypatch, Three(), "three")
+def registry(make_registry, tmp_path, monkeypatch):
+    return _tuned(make_registry, tmp_path, monkeypatch, Three(), "three")
 
 
 def _write(path, entries, torch_version="2.6.0", versions=None, machine=None):
@@ -205,7 +203,7 @@ def test_the_automatic_choice_is_batch_invariant(tmp_path, monkeypatch, tuned):
     if tuned:  # a ranking that prefers naive for this bucket, the others another order
         key = cache.key_string("logprobs_and_entropy", "cpu", torch.float32, False, 2048)
         env = lr.get_registry().environment()
-        versions = lr.get_registry().plugins_set.versions()
+        versions = lr.get_registry().versions()
         ranking = cache.Ranking(str(env.torch_version), {"cpu": cache.machine("cpu", env.devices["cpu"].names)},
                                 {n: versions[n] for n in ("naive", "chunked")},
                                 {key: cache.Entry({"naive": 0.001, "chunked": 0.002})})
@@ -226,7 +224,7 @@ def test_the_automatic_choice_is_batch_invariant(tmp_path, monkeypatch, tuned):
         lr.get_registry().reset()
 
 
-def test_the_ranking_source_is_the_registrys_parameter(tmp_path, monkeypatch):
+def test_the_ranking_source_is_the_registrys_parameter(tmp_path, monkeypatch, make_registry):
     """A registry made without one follows priority whatever file is in force; one given a Tuning
     of a path reads that file even with LOGPROB_REGISTRY_TUNING=off; the process-wide registry reads
     the file in force, which the test suite turns off (tests/conftest.py), in its subprocesses too."""
@@ -236,13 +234,11 @@ def test_the_ranking_source_is_the_registrys_parameter(tmp_path, monkeypatch):
     _write(path, {key: dict(times={"slow": 0.001})})
     wide = Key("logprobs", "cpu", torch.float32, False, vocab=65536)
     monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", str(path))
-    plain = Registry(builtins=(), entry_points=False, environment=ENV)
-    plain.add_plugin(Three(), name="three")
+    plain = make_registry(("three", Three()), environment=ENV)
     assert plain.ranking is None and plain.explain(wide).chosen == "fast-big"
     assert plain.tuning_status().startswith("tuning: none")
     monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", "off")
-    given = Registry(builtins=(), entry_points=False, environment=ENV, ranking=cache.Tuning(path))
-    given.add_plugin(Three(), name="three")
+    given = make_registry(("three", Three()), environment=ENV, ranking=cache.Tuning(path))
     assert given.explain(wide).chosen == "slow"
     assert isinstance(lr.get_registry().ranking, cache.Tuning)
     assert lr.get_registry().tuning_status().startswith("tuning: off")
@@ -266,8 +262,8 @@ class Fused:
 
 
 @pytest.fixture
-def fused(tmp_path, monkeypatch):
-    return _tuned(tmp_path, monkeypatch, Fused(), "fused")
+def fused(make_registry, tmp_path, monkeypatch):
+    return _tuned(make_registry, tmp_path, monkeypatch, Fused(), "fused")
 
 
 def test_hidden_buckets_and_the_key_of_the_fused_op():

@@ -132,11 +132,10 @@ def test_cli_warmup_with_the_kernel_cache_off(monkeypatch, capsys):
     assert "LOGPROB_REGISTRY_KERNEL_CACHE is off" in capsys.readouterr().err
 
 
-def test_warmup_goes_through_the_registry_to_every_backend_that_prepares(tmp_path):
+def test_warmup_goes_through_the_registry_to_every_backend_that_prepares(tmp_path, make_registry):
     """A plugin's ``prepare`` is called like compiled's, with the request; the registry names the
     backend on each record and turns its failure into a PrepareError."""
     from logprob_registry.backend import Preparation, PrepareError
-    from logprob_registry.registry import Registry
 
     asked = []
 
@@ -149,14 +148,8 @@ def test_warmup_goes_through_the_registry_to_every_backend_that_prepares(tmp_pat
         return [request.record(f"{op} {d}", str(tmp_path / op), status, 0.5) for op in request.ops
                 for d in request.dtypes]
 
-    class Plugin:
-        @lr.hookimpl
-        def register_backends(self, register):
-            register(lr.Backend(name="ahead", ops={"logprobs": lambda *a, **k: None}, prepare=prepare))
-            register(lr.Backend(name="lazy", ops={"logprobs": lambda *a, **k: None}))
-
-    reg = Registry(builtins=(), entry_points=False)
-    reg.add_plugin(Plugin(), name="plugin")
+    reg = make_registry(lr.Backend(name="ahead", ops={"logprobs": lambda *a, **k: None}, prepare=prepare),
+                        lr.Backend(name="lazy", ops={"logprobs": lambda *a, **k: None}))
     assert [b.name for b in reg.preparers()] == ["ahead"]
     lines = []
     done = warmup(["logprobs", "entropy"], ["bf16"], vocab=[100], registry=reg, progress=lines.append)

@@ -28,6 +28,7 @@ from .settings import (
     Setting,
     bench_ops,
     canonical_dtype,
+    output_choices,
     parse_list,
     parse_shape,
     takes_hidden_size,
@@ -67,6 +68,7 @@ class Options:
     timeout: Optional[float] = 1800.0     # seconds per measurement; None: no limit
     device: Optional[str] = None          # default: the machine's main device
     peak_bandwidth: Optional[float] = None  # the device's memory bandwidth in GB/s; default: from its name
+    outputs: Sequence[str] = ()           # token_stats' outputs (comma-separated too); default: the op's
 
     def check(self) -> None:
         """Raise BenchError when a number is out of range or options contradict each other."""
@@ -135,12 +137,29 @@ def settings(options: Options, default_device: str) -> List[Setting]:
                          f"(ops that have it: {', '.join(with_inplace)})")
     if sliced and shape[1] < 2:
         raise BenchError("slicing [:, :-1] needs a sequence length T of at least 2")
+    asked = None
+    if options.outputs:
+        selecting = [op for op in ops if output_choices(op)]
+        if not selecting:
+            with_outputs = [op for op in known if output_choices(op)]
+            raise BenchError(f"--outputs only applies to ops whose outputs are chosen ({', '.join(with_outputs)}), "
+                             f"not to {', '.join(ops)}")
+        choices = tuple(dict.fromkeys(n for op in selecting for n in output_choices(op)))
+        try:
+            names = parse_list(list(options.outputs), choices, "output")
+        except ValueError as exc:
+            raise BenchError(str(exc)) from None
+        asked = tuple(n for n in choices if n in names)  # in the record's order
+
+    def outputs_of(op: str):
+        return asked if asked is not None and output_choices(op) else None
+
     device = options.device or default_device
     return [
         Setting(op=op, device=device, dtype=d, shape=shape, hidden_size=hidden_size(op),
                 sliced=sliced, backward=options.backward,
                 inplace_backward=options.inplace_backward and op in inplace_ops, repeat=options.repeat,
-                warmup=options.warmup, threads=options.threads, preset=preset)
+                warmup=options.warmup, threads=options.threads, preset=preset, outputs_asked=outputs_of(op))
         for op in ops for d in (dtypes or [dtype])
     ]
 

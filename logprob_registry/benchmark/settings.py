@@ -23,17 +23,29 @@ from ..opspec import INPUTS, OPS, InputKind, OpSpec
 DEFAULT_HIDDEN_SIZE = 2048
 
 
-#: The outputs the textbook baseline computes (:data:`logprob_registry.benchmark.workload.TEXTBOOK`).
-BASELINE_OUTPUTS = frozenset({"logprobs", "entropy", "kl"})
+#: The outputs the textbook baseline computes (:data:`logprob_registry.benchmark.workload.TEXTBOOK`):
+#: log-probabilities, entropies, a KL divergence, and the statistics of ``token_stats``.
+BASELINE_OUTPUTS = frozenset({"logprobs", "entropy", "kl", "raw_logprobs", "raw_entropy", "log_sum_p2",
+                              "mean_logit", "max_logit", "is_argmax"})
 
 
 def bench_ops() -> Tuple[str, ...]:
-    """The public ops of the op table that give log-probabilities, entropies or a KL divergence and
-    whose every input the bench can make (topk_logprobs, which returns ids, has no baseline to
-    compare with)."""
+    """The public ops of the op table that give log-probabilities, entropies, a KL divergence or
+    token statistics and whose every input the bench can make (topk_logprobs, which returns ids, has
+    no baseline to compare with). An op whose first input is logits or hidden states (form
+    ``either``: ``token_stats``'s ``inputs``) is made as logits, or as hidden states with the option
+    ``weight`` when a hidden size is given."""
     return tuple(name for name, spec in OPS.items()
                  if spec.function is not None and spec.examples is not None
-                 and set(spec.outputs) <= BASELINE_OUTPUTS and set(spec.inputs) <= set(INPUTS))
+                 and set(spec.outputs) <= BASELINE_OUTPUTS
+                 and set(spec.inputs) - ({spec.inputs[0]} if spec.form == "either" else set()) <= set(INPUTS))
+
+
+def output_choices(op: str) -> Tuple[str, ...]:
+    """The outputs a call of ``op`` may be asked for (``--outputs``): those of an op with a
+    ``selected_by`` option (``token_stats``), none for the others."""
+    spec = OPS[op]
+    return spec.outputs if spec.selected_by is not None else ()
 
 
 def uses_hidden_size(op: str) -> bool:
@@ -46,6 +58,8 @@ def hidden_weights(op: str) -> Mapping[str, str]:
     "student", "teacher_weight": "teacher"}`` for ``kl_divergence`` (an option ``<input>_weight``),
     empty for the other ops."""
     spec = OPS[op]
+    if spec.form == "either" and "weight" in spec.option_index:  # token_stats: inputs, with the option weight
+        return {"weight": spec.inputs[0]}
     return {f"{i}_weight": i for i in spec.inputs if f"{i}_weight" in spec.option_index}
 
 
@@ -98,9 +112,12 @@ class Setting:
     threads: Optional[int] = None  # torch threads in each child; None: torch's default
     preset: Optional[str] = None
     seed: int = 0
+    outputs_asked: Optional[Tuple[str, ...]] = None  # token_stats' outputs (--outputs); None: the op's default
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))
+        if self.outputs_asked is not None:
+            object.__setattr__(self, "outputs_asked", tuple(self.outputs_asked))
 
     @property
     def spec(self) -> OpSpec:
@@ -120,8 +137,13 @@ class Setting:
 
     @property
     def options(self) -> Dict[str, object]:
-        """The keyword options of every call (the op's defaults otherwise)."""
-        return {"inplace_backward": True} if self.inplace_backward else {}
+        """The keyword options of every call (the op's defaults otherwise); an op whose outputs an
+        option names (``token_stats``) always gets that option, the op's default unless asked."""
+        options: Dict[str, object] = {"inplace_backward": True} if self.inplace_backward else {}
+        chooser = self.spec.selected_by
+        if chooser is not None:
+            options[chooser] = self.outputs_asked or tuple(self.spec.option_index[chooser].default)
+        return options
 
     @property
     def outputs(self) -> Tuple[str, ...]:
@@ -153,6 +175,8 @@ class Setting:
             return INPUTS["weight"]
         if name in weights.values():
             return INPUTS["hidden"]
+        if name not in INPUTS and self.spec.form == "either" and name == self.spec.inputs[0]:
+            return INPUTS["logits"]  # token_stats' inputs without a hidden size: logits
         return INPUTS[name]
 
     def per_token(self, name: str) -> bool:
@@ -208,11 +232,15 @@ class Setting:
         hidden = f" H={self.hidden_size}" if self.hidden_size else ""
         where = " sliced [:, :-1]" if self.sliced else ""
         preset = f" (preset {self.preset})" if self.preset else ""
-        return f"{self.op} on {self.device} {self.dtype} {shape}{hidden}{where}{preset}, {self.mode}"
+        outputs = f" outputs={','.join(self.outputs)}" if self.spec.selected_by is not None else ""
+        return f"{self.op}{outputs} on {self.device} {self.dtype} {shape}{hidden}{where}{preset}, {self.mode}"
 
     def to_args(self) -> dict:
         """The fields, as JSON: ``Setting(**s.to_args())`` gives ``s`` back (in a child)."""
-        return dict(dataclasses.asdict(self), shape=list(self.shape))
+        d = dict(dataclasses.asdict(self), shape=list(self.shape))
+        if self.outputs_asked is not None:
+            d["outputs_asked"] = list(self.outputs_asked)
+        return d
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)

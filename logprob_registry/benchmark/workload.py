@@ -50,6 +50,8 @@ def op_logits(inputs: Mapping[str, torch.Tensor], side: str = "logits") -> torch
         return inputs[side] if weight is None else inputs[side] @ weight.T
     if "logits" in inputs:
         return inputs["logits"]
+    if "inputs" in inputs:  # token_stats: logits, or hidden states with the option weight
+        return inputs["inputs"] if inputs.get("weight") is None else inputs["inputs"] @ inputs["weight"].T
     return inputs["hidden"] @ inputs["weight"].T
 
 
@@ -133,10 +135,31 @@ def external_methods(s: Setting) -> List[Tuple[str, str]]:
     return [(name, doc) for name, (doc, runs, _) in EXTERNAL.items() if runs(s)]
 
 
-#: Each output an op may return, from the log-softmax of its logits: the textbook formulas.
+#: Each output an op may return, from the log-softmax of its logits: the textbook formulas (the
+#: token_stats fields of a call without truncation: raw = processed; the logits' mean, max and
+#: argmax are those of the log-softmax shifted by a constant).
 TEXTBOOK: Dict[str, Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = {
     "logprobs": lambda logp, labels: logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1),
     "entropy": lambda logp, labels: -(logp.exp() * logp).sum(-1),
+    "raw_logprobs": lambda logp, labels: logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1),
+    "raw_entropy": lambda logp, labels: -(logp.exp() * logp).sum(-1),
+    "log_sum_p2": lambda logp, labels: torch.logsumexp(2 * logp, -1),
+    "is_argmax": lambda logp, labels: logp.argmax(-1) == labels,
+}
+#: The outputs whose sum is the loss in backward mode: the differentiable ones (DESIGN: token_stats'
+#: log_sum_p2, mean_logit, max_logit and is_argmax are not).
+LOSS_OUTPUTS = frozenset({"logprobs", "entropy", "raw_logprobs", "raw_entropy", "kl"})
+
+
+def loss(s: Setting, outs: Tuple[torch.Tensor, ...], in_float32: bool = True) -> torch.Tensor:
+    """The sum of the outputs in :data:`LOSS_OUTPUTS` (each summed in float32, or in its own dtype)."""
+    return sum((o.float() if in_float32 else o).sum() for name, o in zip(s.outputs, outs) if name in LOSS_OUTPUTS)
+
+
+#: The textbook token_stats fields computed from the logits themselves.
+TEXTBOOK_LOGITS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "mean_logit": lambda z: z.mean(-1),
+    "max_logit": lambda z: z.amax(-1),
 }
 
 
@@ -144,8 +167,10 @@ def baseline(inputs: Mapping[str, torch.Tensor], outputs: Tuple[str, ...],
              options: Optional[Mapping[str, Any]] = None) -> Tuple[torch.Tensor, ...]:
     if outputs == ("kl",):
         return (textbook_kl(inputs, options or {}),)
-    logp = op_logits(inputs).log_softmax(-1)
-    return tuple(TEXTBOOK[o](logp, inputs.get("labels")) for o in outputs)
+    z = op_logits(inputs)
+    logp = z.log_softmax(-1)
+    return tuple(TEXTBOOK_LOGITS[o](z) if o in TEXTBOOK_LOGITS else TEXTBOOK[o](logp, inputs.get("labels"))
+                 for o in outputs)
 
 
 def _call_args(s: Setting, inputs: Mapping[str, torch.Tensor]) -> Tuple[Tuple[torch.Tensor, ...], Dict[str, Any]]:
@@ -172,8 +197,7 @@ def method(s: Setting, name: str) -> Callable[[Mapping[str, torch.Tensor]], Tupl
 
     def call(inputs: Mapping[str, torch.Tensor]) -> Tuple[torch.Tensor, ...]:
         args, kwargs = _call_args(s, inputs)
-        result = public(*args, backend=name, **kwargs)
-        return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+        return spec.unpack(public(*args, backend=name, **kwargs), kwargs)  # token_stats: the fields asked
 
     return call
 
@@ -228,7 +252,7 @@ class Workload:
             with torch.no_grad():
                 return self.fn(x)
         outs = self.fn(x)
-        sum(o.float().sum() for o in outs).backward()
+        loss(self.s, outs).backward()
         return tuple(o.detach() for o in outs)
 
     def grads(self) -> Dict[str, torch.Tensor]:
@@ -246,6 +270,8 @@ def _worse(a: float, b: float) -> float:
 
 
 def _max_abs(got: torch.Tensor, want: torch.Tensor, device: torch.device) -> float:
+    if not want.is_floating_point():  # token_stats' is_argmax: 1 where it differs
+        want = want.to(torch.float64)
     return (got.to(device, torch.float64) - want).abs().max().item() if want.numel() else 0.0
 
 
@@ -283,7 +309,7 @@ def max_differences(
             for got, want in zip(outs, expected):
                 value_diff = _worse(value_diff, _max_abs(got[idx], want.detach(), ref_device))
             if grads:
-                sum(e.sum() for e in expected).backward()
+                loss(s, expected, in_float32=False).backward()
                 for n in per_token:
                     if n in grads:
                         grad_diff[n] = _worse(grad_diff[n], _max_abs(grads[n][idx], chunk[n].grad, ref_device))

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="feed x[:, :-1] and labels[:, 1:], non-contiguous, as trainers do (the trlx preset does)")
     parser.add_argument("--op", action="append", default=[], metavar="OP[,OP]",
                         help=f"op(s) to measure: {', '.join(bench_ops())} (default logprobs)")
+    parser.add_argument("--outputs", action="append", default=[], metavar="NAME[,NAME]",
+                        help="for token_stats: the fields to compute (logprobs, entropy, raw_logprobs, raw_entropy, "
+                             "log_sum_p2, mean_logit, max_logit, is_argmax; default logprobs,entropy)")
     parser.add_argument("--backward", action="store_true",
                         help="measure forward + backward of the sum of the result (gradients of every "
                              "differentiable input: logits, or hidden and weight; kl_divergence's student only)")
@@ -93,7 +96,7 @@ def options(args: argparse.Namespace):
         ops=args.op, dtypes=args.dtype, shape=args.shape, preset=args.preset, hidden_size=args.hidden_size,
         sliced=args.slice, backward=args.backward, inplace_backward=args.inplace_backward, backends=args.backend,
         repeat=args.repeat, rounds=args.rounds, warmup=args.warmup, threads=args.threads, plugins=args.plugin,
-        timeout=args.timeout, device=args.device, peak_bandwidth=args.peak_bandwidth,
+        timeout=args.timeout, device=args.device, peak_bandwidth=args.peak_bandwidth, outputs=args.outputs,
     )
 
 

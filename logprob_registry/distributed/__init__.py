@@ -11,13 +11,16 @@ How (docs/distributed.md has the whole story):
 - the public function validates the call once (:func:`logprob_registry.call.validate`) and hands
   :mod:`.sharded` the validated call, or the error to raise on every rank;
 - the local work is backend ops of the op table (``shard_stats``, ``shard_grad``,
-  ``hidden_shard_stats``, ``hidden_shard_grad``), selected through the registry like any op;
+  ``hidden_shard_stats``, ``hidden_shard_grad``, ``shard_topk``, ``kl_shard_stats``, ...), selected
+  through the registry like any op, which checks their outputs against the op table;
 - :mod:`.header`: one small all-gather first, so that bad input raises the same error on every
   rank before any collective that could hang;
 - :mod:`.core`: one all-gather of the tile statistics and a merge in one fixed order on every rank
   (:mod:`.merge`), so results are bitwise independent of the group size when every shard starts at
   a multiple of :data:`TILE` and the backend declares ``group_invariant``;
-- :mod:`.sharded`: the one autograd skeleton of the four public ops;
+- :mod:`.sharded`: the one skeleton (forward, autograd backward) of every public op, driven by
+  the op's plan (:mod:`.kl`: kl_divergence's);
+- :mod:`.sampled`: the sampler's keywords, and the rounds of the truncation decision;
 - :mod:`.support`: what a ``process_group=`` call supports;
 - :mod:`.launch`: spawning a local gloo group (tests, the conformance suite, ``bench``).
 """

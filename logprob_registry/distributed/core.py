@@ -1,15 +1,16 @@
 """The steps every vocabulary-parallel call shares, written once: the header exchange, the
 statistics gather, and the merge into per-row results.
 
-A call (:mod:`.sharded`) arrives validated and computes its shard's tile
+A call (the skeleton of :mod:`.sharded`) arrives validated and computes its shard's tile
 statistics through the registry *before* any collective, keeping any error in
 :class:`~.header.Local` instead of raising it; then:
 
 1. :func:`exchange`: one all-gather of the header rows; every rank raises the same error, or
    learns the :class:`~.header.Layout`;
-2. :func:`gather`: one all-gather of the packed statistics, ``(N, K * max_tiles + 1)`` per rank in
-   the result dtype (``K`` = 2, or 3 with the entropy; the last column holds the label's logit where
-   this rank owns the label);
+2. :func:`gather`: one all-gather of the packed statistics (:class:`Stats`), ``(N, K * max_tiles
+   + C + 1)`` per rank in the result dtype (``K`` per-tile statistics: 2, or 3 with the entropy, 5
+   for ``kl_divergence``; ``C`` per-row columns: the label's logit where this rank owns the label;
+   the last one a failure flag); :func:`in_order` reads one statistic in global tile order;
 3. :func:`combine`: the merge (:func:`~.merge.merge`) in global tile order, and the label's logit
    taken from the rank that owns it: selected, never summed, so it is exact.
 """
@@ -17,23 +18,21 @@ statistics through the registry *before* any collective, keeping any error in
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ..registry import Key, get_registry
 from . import header
 from .group import Group
 from .merge import merge
 
 
 class Stats(NamedTuple):
-    """One shard's tile statistics, flattened to rows: (N, n_tiles) each, label logits (N,)."""
+    """One shard's statistics, flattened to rows: per-tile statistics (N, n_tiles) each (None: not
+    asked for), and per-row columns (N, C) or None (the label logits)."""
 
-    m: torch.Tensor
-    s: torch.Tensor
-    t: Optional[torch.Tensor]
-    label_logits: Optional[torch.Tensor]
+    tiles: Tuple[Optional[torch.Tensor], ...]
+    rows: Optional[torch.Tensor] = None
 
 
 class Merged(NamedTuple):
@@ -59,66 +58,33 @@ def per_row_grads(g_lp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor], l
     return g_lp, g_ent
 
 
-def local_stats(op: str, backend: Optional[str], key: Key, inputs: tuple, options: dict, rows: int, width: int,
-                tile: int, acc: torch.dtype, with_entropy: bool, with_labels: int) -> Stats:
-    """Run the shard-statistics op ``op`` through the registry and check what it returned;
-    ``with_labels``: label logits per row (0: none; K for candidate labels (..., K))."""
-    out = get_registry().call(key, backend, inputs, options)
-    nt = -(-width // tile)
-
-    def name() -> str:
-        return get_registry().select(key, backend).name
-
-    if not isinstance(out, (tuple, list)) or len(out) != 4:
-        raise RuntimeError(f"backend {name()!r}: {op} returned {type(out).__name__}, not the 4-tuple "
-                           "(tile_max, tile_sumexp, tile_elog, label_logits) the op table specifies")
-    wanted = {"tile_max": True, "tile_sumexp": True, "tile_elog": with_entropy, "label_logits": with_labels}
-    flat = []
-    per = int(with_labels)
-    for (what, present), value in zip(wanted.items(), out):
-        if not present:
-            flat.append(None)
-            continue
-        expected = (rows, per) if what == "label_logits" else (rows, nt)
-        if not isinstance(value, torch.Tensor) or value.numel() != rows * (per if what == "label_logits" else nt):
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise RuntimeError(f"backend {name()!r}: {op} returned {what} of shape {got}, expected {rows} rows "
-                               f"x {expected[-1] if len(expected) > 1 else 1} (the leading dims, then the "
-                               f"{nt} tiles of {tile} columns)")
-        flat.append(value.reshape(expected).to(acc))
-    return Stats(*flat)
-
-
 def exchange(group: Group, local: header.Local, device: torch.device) -> header.Layout:
     """The header all-gather and its checks (see :mod:`.header`)."""
     table = group.all_gather(header.row(local, device), device).cpu()
     return header.check(table, local)
 
 
-def gather(group: Group, layout: header.Layout, stats: Optional[Stats], device: torch.device, acc: torch.dtype,
-           failure: Optional[BaseException] = None, labels: int = 1, with_entropy: Optional[bool] = None):
-    """The statistics all-gather: ``(W, N, P)`` on ``device``, and the tiles per rank.
+def gather(group: Group, layout: header.Layout, stats: Optional[Stats], count: int, columns: int,
+           device: torch.device, acc: torch.dtype, failure: Optional[BaseException] = None):
+    """The statistics all-gather: ``(W, N, count * width + columns)`` on ``device``, and ``width``,
+    the most tiles of a rank (each per-tile statistic padded to it).
 
-    ``labels``: the label logits per row (the last columns; K for candidate labels). ``failure``:
-    this rank could not compute its statistics after the header (a sampler's second round); it
-    still joins the gather, with its failure flag set, so that every rank raises instead of the
-    others hanging (the flag travels in one more column, after the labels')."""
+    ``count``: the per-tile statistics gathered (the first ``count`` of ``stats.tiles``);
+    ``columns``: the per-row columns after them (``stats.rows``, the label logits; K for candidate
+    labels). ``failure``: this rank could not compute its statistics after the header (a sampler's
+    second round); it still joins the gather, with its failure flag set (one more column, after the
+    others), so that every rank raises instead of the others hanging."""
     rows, nts = layout.rows, layout.tiles
     width = max(nts)
-    if with_entropy is None:
-        with_entropy = stats is not None and stats.t is not None
-    k = 3 if with_entropy else 2
-    labels = max(1, labels)
-    packet = torch.zeros(rows, k * width + labels + 1, dtype=acc, device=device)
+    packet = torch.zeros(rows, count * width + columns + 1, dtype=acc, device=device)
     if failure is not None:
         packet[:, -1] = 1.0
     else:
-        nt = stats.m.shape[1]
-        for i, part in enumerate((stats.m, stats.s, stats.t)):
+        for i, part in enumerate(stats.tiles[:count]):
             if part is not None:
-                packet[:, i * width:i * width + nt] = part.to(device)
-        if stats.label_logits is not None:
-            packet[:, k * width:k * width + labels] = stats.label_logits.reshape(rows, -1).to(device)
+                packet[:, i * width:i * width + part.shape[1]] = part.to(device)
+        if stats.rows is not None:
+            packet[:, count * width:count * width + columns] = stats.rows.reshape(rows, -1).to(device)
     gathered = group.all_gather(packet, device)
     if rows:
         failed = [r for r in range(gathered.shape[0]) if float(gathered[r, 0, -1]) != 0.0]
@@ -129,14 +95,19 @@ def gather(group: Group, layout: header.Layout, stats: Optional[Stats], device: 
     return gathered[..., :-1], width
 
 
+def in_order(gathered: torch.Tensor, width: int, layout: header.Layout, i: int) -> torch.Tensor:
+    """The ``i``-th per-tile statistic of :func:`gather`'s result, ``(N, total tiles)`` in global tile
+    order (the ranks by their shard's start)."""
+    nts = layout.tiles
+    return torch.cat([gathered[r, :, i * width:i * width + nts[r]] for r in layout.order], dim=1)
+
+
 def combine(gathered: torch.Tensor, width: int, layout: header.Layout, labels: Optional[torch.Tensor],
             ignore_index: Optional[int], with_entropy: bool) -> Merged:
     """Merge the gathered statistics in global tile order; the log-probabilities of ``labels``
     (global ids, or None) from the owner's label logit."""
-    nts = layout.tiles
-
     def part(i: int) -> torch.Tensor:
-        return torch.cat([gathered[r, :, i * width:i * width + nts[r]] for r in layout.order], dim=1)
+        return in_order(gathered, width, layout, i)
 
     lse, entropy = merge(part(0), part(1), part(2) if with_entropy else None)
     logprobs = None

@@ -33,19 +33,16 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-#: The arguments that may be DTensors.
-_DTENSOR_ARGS = ("logits", "hidden", "weight", "bias", "labels", "student", "teacher", "student_weight",
-                 "teacher_weight", "mask", "support")
-#: The arguments that hold positions (the logits' leading dims, then perhaps K ids): placed like the rows.
-_ROW_ARGS = ("labels", "mask", "support")
+from ..opspec import OPS
 
 _REDISTRIBUTE = ("redistribute it first (x.redistribute(mesh, placements)), or pass x.to_local() / "
                  "x.full_tensor() as a plain tensor")
 
 
-def involved(given: Mapping[str, Any]) -> bool:
-    """Whether any argument of a public function's call is a DTensor."""
-    for name in _DTENSOR_ARGS:
+def involved(op: str, given: Mapping[str, Any]) -> bool:
+    """Whether any argument of a call of ``op``'s public function that may be a DTensor is one (the
+    op table's ``OpSpec.placed``; once one is, any other DTensor argument is refused by the plan)."""
+    for name in OPS[op].placed:
         if isinstance(given.get(name), DTensor):
             return True
     return False
@@ -101,13 +98,15 @@ class _Plan:
         self.vocab_dim: Optional[int] = None
         self.vocab_start: Optional[int] = None
         self.vocab_sharded: List[str] = []  # the arguments sharded by vocabulary
-        if op == "logprobs_from_hidden":
+        spec = OPS[op]
+        self.placed = spec.placed
+        if spec.form == "hidden":
             self._hidden(given)
-        elif op == "kl_divergence":
+        elif spec.form == "sides":
             self._kl(given)
         else:
-            self._logits(given, "logits")
-        for name in _ROW_ARGS:
+            self._logits(given, spec.inputs[0])
+        for name in spec.row_args:
             value = given.get(name)
             if isinstance(value, DTensor):
                 _same_mesh(self.mesh, name, value, self.main)
@@ -117,8 +116,8 @@ class _Plan:
                     value = value.redistribute(self.mesh, self.rows)
                 self.local[name] = value.to_local()
         for name, value in given.items():
-            if name not in _DTENSOR_ARGS and isinstance(value, DTensor):
-                raise TypeError(f"{name} is a DTensor; only {', '.join(_DTENSOR_ARGS)} may be: pass {name} as a plain "
+            if name not in self.placed and isinstance(value, DTensor):
+                raise TypeError(f"{name} is a DTensor; only {', '.join(self.placed)} may be: pass {name} as a plain "
                                 "tensor of this rank's local rows")
         if self.vocab_dim is not None:
             self.local["process_group"] = self.mesh.get_group(self.vocab_dim)
@@ -129,7 +128,7 @@ class _Plan:
         logits = given.get(name)
         self.main = name
         if not isinstance(logits, DTensor):
-            other = next(n for n in _DTENSOR_ARGS if isinstance(given.get(n), DTensor))
+            other = next(n for n in self.placed if isinstance(given.get(n), DTensor))
             raise TypeError(f"{other} is a DTensor but {name} is a plain {type(logits).__name__}; pass {name} as a "
                             f"DTensor too, or {other}.to_local() (this rank's local rows)")
         self.mesh, last = logits.device_mesh, logits.ndim - 1
@@ -171,7 +170,7 @@ class _Plan:
         bias = given.get(bname) if bname else None
         named = [(n, x) for n, x in ((hname, hidden), (wname, weight), (bname, bias)) if isinstance(x, DTensor)]
         if not named:
-            other = next(n for n in _DTENSOR_ARGS if isinstance(given.get(n), DTensor))
+            other = next(n for n in self.placed if isinstance(given.get(n), DTensor))
             raise TypeError(f"{other} is a DTensor but {hname} and {wname} are plain tensors; pass the hidden states "
                             f"(or the weight) as a DTensor too, or {other}.to_local() (this rank's local rows)")
         self.main, first = named[0]

@@ -24,9 +24,10 @@ import torch
 
 from .. import config
 from ..dtypes import FLOAT_DTYPES, dtype_name
+from ..opspec import op_of_code, wire_code
 from ..registry.errors import NoEligibleBackendError
 
-MAGIC = 0x6C70_7267_0002  # "lprg", protocol version 2: ranks running another version are told so
+MAGIC = 0x6C70_7267_0003  # "lprg", protocol version 3: ranks running another version are told so
 MESSAGE_BYTES = 400
 (MAGIC_, OP, FLAGS, ROWS, SHAPE, WIDTH, START, TILE, TEMPERATURE, IGNORE, LABELS1, LABELS2, DTYPE, HIDDEN,
  SOFTCAP, TOP_K, KEEP, LOGITS_DTYPE, MIN_P, TOP_P, ERROR, MESSAGE_LENGTH, MESSAGE) = range(23)
@@ -47,7 +48,6 @@ LENGTH = MESSAGE + MESSAGE_BYTES // 8
 # kl_divergence's (HAS_LABELS: a mask, whose checksum is compared; HIDDEN: the student's hidden size)
 KL_REVERSE, TEACHER_HIDDEN = 1 << 8, 1 << 9
 
-OPS = ("logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden", "kl_divergence", "topk_logprobs")
 _DTYPES = (None,) + tuple(FLOAT_DTYPES)  # code 0: not known (the input was not a float tensor)
 
 #: Exception types carried through the header, by code; any other exception travels as RuntimeError.
@@ -149,7 +149,7 @@ def row(local: Local, device: torch.device) -> torch.Tensor:
     """This rank's header row (int64, ``LENGTH``) on ``device``."""
     values = [0] * LENGTH
     values[MAGIC_] = MAGIC
-    values[OP] = OPS.index(local.op)
+    values[OP] = wire_code(local.op)
     values[FLAGS] = local.flags
     values[ROWS] = local.rows
     values[SHAPE] = _shape_code(local.shape)
@@ -218,7 +218,7 @@ def check(table: torch.Tensor, local: Local) -> Layout:
                 f"ranks {others} disagree with rank 0 on {what} (rank 0: {show(t[0][column])}, rank {r}: "
                 f"{show(t[r][column])}); every rank of process_group must make the same call{hint}")
 
-    disagree(OP, "the op", lambda code: OPS[code])
+    disagree(OP, "the op", op_of_code)
     given = [r for r in range(size) if t[r][FLAGS] & START_GIVEN]
     if given and len(given) < size:
         raise GroupMismatchError(

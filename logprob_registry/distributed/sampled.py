@@ -1,36 +1,44 @@
-"""The sampler's keywords on the vocabulary-parallel path: what each shard is told, and the one
-global decision (``top_k``'s boundary), made the same way on every rank.
+"""The sampler's keywords on the vocabulary-parallel path: what each shard is told, and the
+truncation decision (``top_k``, ``min_p``, ``top_p``: :class:`Truncation`), made the same way on
+every rank.
 
 Elementwise keywords only change what each shard computes, so they travel to the shard ops as
 options (feature ``shard_sampler``, :mod:`.processing`): ``softcap``, ``logits_dtype``, ``keep``
 (a mask's shard ``(..., V_local)`` as given, or global ids ``(..., K)`` turned into this shard's
 columns of the mask here, without any communication) and candidate labels ``(..., K)``.
 
-Truncation by ``top_k`` needs a global view: each shard's top-k ``(value, id)`` of the float32
-processed logits (``shard_topk`` / ``hidden_shard_topk`` with ``decision=True``) is gathered,
-concatenated in vocabulary order and read in one fixed order ((value desc, id asc)): the k-th value
-``t`` of a row and the smallest id ``j`` holding it are those of the whole vocabulary, exactly, so
-the boundary ``(t, j)`` (vLLM keeps every value tied with the k-th) is the same bits whatever the
-number of shards. Then the shards' statistics are taken over the kept tokens.
+Truncation needs a global view, decided in rounds from gathered lists and statistics
+(:class:`Truncation`), in the order of the engine replayed (``sampler``: vLLM's min_p, top_k,
+top_p; transformers' top_k, top_p, min_p over the survivors; SGLang's every filter on the whole
+row's softmax):
 
-``min_p`` compares each token's probability with the largest one: the whole row's softmax max and
-normaliser come from a first round of tile statistics (the plain ones, gathered and merged as
-always), after which min_p is an elementwise test every shard applies to its own tokens
-(:func:`.processing.min_p_kept`); top_k over min_p's survivors is the intersection of the two
-(min_p keeps a suffix of the ascending order, so the k largest survivors are the k largest tokens
-among them). ``top_p`` (a probability mass summed in sorted order) is not implemented on this
-path yet (:mod:`.support` refuses it with a sentence).
+- ``top_k``: each shard's top-k ``(value, id)`` of the float32 processed logits (``shard_topk`` /
+  ``hidden_shard_topk`` with ``decision=True``) is gathered, concatenated in vocabulary order and
+  read in one fixed order ((value desc, id asc)): the k-th value ``t`` of a row and the smallest id
+  ``j`` holding it are those of the whole vocabulary, exactly, so the boundary ``(t, j)`` (vLLM
+  keeps every value tied with the k-th) is the same bits whatever the number of shards;
+- ``min_p`` compares each token's probability with the largest one: the whole row's softmax max
+  and normaliser come from a round of plain tile statistics (gathered and merged as always), after
+  which min_p is an elementwise test every shard applies to its own tokens
+  (:func:`.processing.min_p_kept`); top_k over min_p's survivors is the intersection of the two;
+- ``top_p`` (a probability mass summed in sorted order): the merged lists, read down in a fixed
+  order, with the survivors' normaliser (from the lists when they hold every survivor, else one
+  more round of statistics within the boundary so far); the lists double until every row's mass is
+  reached (:func:`top_p_boundary`, :func:`sglang_boundary`).
+
+Then the shards' statistics are taken over the kept tokens (the boundary, an option of the shard ops).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 import torch
 
-from . import processing
+from .. import processing
+from . import core
 from .group import Group
-from .header import GroupMismatchError  # noqa: F401 - re-exported for the checks below
+from .merge import max_and_total
 
 
 def sampler_used(call) -> bool:
@@ -145,13 +153,6 @@ def top_k_boundary(vals: torch.Tensor, gids: torch.Tensor, top_k, k: int) -> Tup
     return t, j
 
 
-def boundary(group: Group, lists: Tuple[torch.Tensor, torch.Tensor], order: tuple, top_k, rows: int,
-             device: torch.device, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`top_k_boundary` of every shard's list (:func:`gather_lists`)."""
-    vals, gids = gather_lists(group, lists, order, rows, device, k)
-    return top_k_boundary(vals, gids, top_k, k)
-
-
 def top_p_boundary(vals: torch.Tensor, gids: torch.Tensor, length: int, top_p, big: Optional[torch.Tensor],
                    total: Optional[torch.Tensor], survives, hf: bool = False) -> Tuple[torch.Tensor, ...]:
     """vLLM's top_p on the survivors of min_p and top_k, from the gathered lists of ``length`` per
@@ -260,7 +261,7 @@ def every_survivor_listed(vals: torch.Tensor, length: int, survives) -> bool:
 
 
 def ref_topk_ids(values: torch.Tensor, k: int) -> torch.Tensor:
-    from .. import reference as ref
+    from .. import truncation as ref
 
     return ref.topk_ids(values, k)
 
@@ -300,3 +301,170 @@ def header_values(call) -> tuple:
             value = _float_bits(value) if value is not None else 0
         probabilities.append(value)
     return (softcap, top_k, keep_code, code) + tuple(probabilities)
+
+
+#: The first length of each shard's top list for top_p without a top_k for every row (doubled while a
+#: row's mass is not reached).
+TOP_P_LIST = 256
+
+
+class Truncation:
+    """The truncation decision of one call: ``top_k``, ``min_p`` and ``top_p`` (numbers or per row)
+    in the order of the engine replayed (``sampler``), decided in rounds of gathered lists and
+    statistics, the same bits on every rank (every rank reads the same gathered numbers, so every
+    rank runs the same rounds). :meth:`decide` returns the boundary the shard ops keep tokens by.
+
+    ``shard`` is this rank's side of the call (:class:`.sharded.Logits`): its ``group``;
+    ``lists(length)``, this shard's top-``length`` (values, global ids) of the float32 processed
+    logits; ``stats(acc, plain=True, boundary=...)``, its tile statistics over every token (or those
+    within a boundary), without ``keep`` and the entropy; ``columns()``, the per-row columns of its
+    statistics gather."""
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self.top_k, self.min_p, self.top_p = options.get("top_k"), options.get("min_p"), options.get("top_p")
+        self.order = options.get("sampler") or "vllm"   # the engine whose truncation is replayed
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is decided (top_k, min_p or top_p given)."""
+        return self.top_k is not None or self.min_p is not None or self.top_p is not None
+
+    def needs_plain(self) -> bool:
+        """Whether the decision needs the whole row's softmax (max and normaliser) first: vLLM's min_p,
+        and SGLang's min_p and top_p (every filter on the full distribution); transformers' min_p
+        reads the survivors' softmax instead, a round of its own."""
+        if self.order == "hf":
+            return False
+        return self.min_p is not None or (self.order == "sglang" and self.top_p is not None)
+
+    def list_length(self) -> int:
+        """The first top-L lists' length: top_k's largest value, or with top_p at least
+        :data:`TOP_P_LIST` (doubled while a row's mass is not reached); 0 without either."""
+        length = top_k_of(self.top_k) if self.top_k is not None else 0
+        if self.top_p is not None and (self.top_k is None or isinstance(self.top_k, torch.Tensor)):
+            length = max(length, TOP_P_LIST)  # (a number top_k: its k largest hold every survivor)
+        return length
+
+    def decide(self, shard, layout, lists, plain, device, acc) -> tuple:
+        """The boundary, the same bits on every rank (vLLM's order: min_p, top_k, top_p): with min_p
+        the whole row's softmax max, normaliser and threshold from the gathered ``plain`` statistics;
+        top_k's boundary ``(t, j)`` from every shard's list (``lists``: this shard's first; or
+        ``(-inf, 0)``: none); top_p's from the merged lists and the survivors' normaliser (one more
+        round of statistics), lists doubled until every row's mass is reached."""
+        rows = layout.rows
+        vals = gids = None
+        length = min(self.list_length(), layout.vocab)
+        if length:
+            vals, gids = gather_lists(shard.group, lists, layout.order, rows, device, length)
+        if self.order == "sglang":
+            return self._decide_sglang(shard, layout, vals, gids, plain, length, device, acc)
+        if self.top_k is not None:
+            t, j = top_k_boundary(vals, gids, self.top_k, min(top_k_of(self.top_k), layout.vocab))
+        else:
+            t = torch.full((rows,), float("-inf"), dtype=torch.float32, device=device)
+            j = torch.zeros(rows, dtype=torch.int64, device=device)
+        extra = ()
+        if self.order == "hf":  # top_k, top_p over its survivors, then min_p over what is left
+            if self.top_p is not None:
+                t, j = self._decide_top_p(shard, layout, vals, gids, (t, j), length, device, acc)
+            if self.min_p is None:
+                return t, j
+            return (t, j) + self._min_p_over(shard, layout, (t, j), device, acc)
+        if self.min_p is not None:
+            big, total = self._max_and_total(shard, layout, plain, device, acc)
+            extra = (big, total, processing.min_p_threshold(total, self.min_p))
+        if self.top_p is None:
+            return (t, j) + extra
+        return self._decide_top_p(shard, layout, vals, gids, (t, j) + extra, length, device, acc)
+
+    def _max_and_total(self, shard, layout, stats, device, acc, failure=None):
+        """The row's max and ``sum exp(z - max)`` (float32) from every shard's tile statistics."""
+        gathered, width = core.gather(shard.group, layout, stats, 2, shard.columns(), device, acc, failure)
+        m, s = (core.in_order(gathered, width, layout, i) for i in range(2))
+        return tuple(x.to(torch.float32) for x in max_and_total(m, s))
+
+    def _min_p_over(self, shard, layout, before, device, acc) -> tuple:
+        """transformers' min_p after top_k and top_p: ``(big, total, threshold)`` of the softmax over
+        the survivors of ``before`` (one more round of statistics within that boundary), so that the
+        shard ops drop ``exp(y - big) / total < threshold`` (the survivors' largest probability times
+        min_p)."""
+        big, total = self._survivors_total(shard, layout, before, device, acc)
+        return big, total, processing.min_p_threshold(total, self.min_p)
+
+    def _survivors_total(self, shard, layout, before, device, acc):
+        """The max and ``sum exp(z - max)`` of the survivors of ``before`` (one more round of
+        statistics within that boundary); this rank's failure goes through the gather, so that every
+        rank raises it."""
+        failure = survivors = None
+        try:
+            survivors = shard.stats(acc, plain=True, boundary=before)
+        except Exception as exc:
+            failure = exc
+        return self._max_and_total(shard, layout, survivors, device, acc, failure)
+
+    def _decide_sglang(self, shard, layout, vals, gids, plain, length, device, acc):
+        """SGLang's truncation (:func:`sglang_boundary`): every filter on the whole row's softmax
+        (``plain``: the first round's statistics), top_k and top_p as the last kept entry of the
+        global order, lists doubled until each row's first dropped position is listed; min_p
+        elementwise. The boundary's sixth element marks SGLang's tie rule (ids ``<= j``)."""
+        rows = layout.rows
+        big = total = None
+        if self.needs_plain():
+            big, total = self._max_and_total(shard, layout, plain, device, acc)
+        if self.top_k is None and self.top_p is None:
+            t = torch.full((rows,), float("-inf"), dtype=torch.float32, device=device)
+            j = torch.full((rows,), processing.PAD_ID, dtype=torch.int64, device=device)
+        else:
+            t, j, _ = self._until_decided(
+                lambda v, i, n: sglang_boundary(v, i, n, layout.vocab, self.top_k, self.top_p, big, total),
+                shard, layout, vals, gids, length, device)
+        if self.min_p is not None:
+            threshold = processing.min_p_threshold(total, self.min_p)
+        else:  # no min_p: a threshold of 0 drops nothing
+            big = torch.zeros(rows, dtype=torch.float32, device=device)
+            total = torch.ones(rows, dtype=torch.float32, device=device)
+            threshold = torch.zeros(rows, dtype=torch.float32, device=device)
+        lower = torch.ones(rows, dtype=torch.bool, device=device)
+        return t, j, big, total, threshold, lower
+
+    def _decide_top_p(self, shard, layout, vals, gids, before, length, device, acc):
+        """top_p over the survivors of ``before`` (min_p and top_k's boundary), see
+        :func:`top_p_boundary`."""
+        t_k, j_k = before[0], before[1]
+
+        def survives(v, i):
+            ok = (v > t_k.unsqueeze(1)) | ((v == t_k.unsqueeze(1)) & (i >= j_k.unsqueeze(1)))
+            if len(before) == 5:
+                ok &= processing.min_p_kept(v, *before[2:])
+            return ok
+
+        big = total = None
+        if self.top_k is None or isinstance(self.top_k, torch.Tensor) \
+                or not every_survivor_listed(vals, length, survives):
+            # the survivors' normaliser from one more round of statistics (with a number top_k every
+            # survivor is usually listed, and the list gives it; the same verdict on every rank)
+            big, total = self._survivors_total(shard, layout, before, device, acc)
+
+        t, j, dropped, _ = self._until_decided(
+            lambda v, i, n: top_p_boundary(v, i, n, self.top_p, big, total, survives, hf=self.order == "hf"),
+            shard, layout, vals, gids, length, device)
+        t = torch.where(dropped, t, t_k)
+        j = torch.where(dropped, j, j_k)
+        return (t, j) + tuple(before[2:])
+
+    @staticmethod
+    def _until_decided(decide, shard, layout, vals, gids, length: int, device):
+        """``decide(values, ids, length)`` on the merged lists (its last output: the rows it could
+        decide), the lists doubling until every row is decided or they hold the whole vocabulary.
+        Every rank reads the same lists, so every rank runs the same number of rounds."""
+        while True:
+            out = decide(vals, gids, length)
+            if bool(out[-1].all()) or length >= layout.vocab:
+                return out
+            length = min(2 * length, layout.vocab)
+            failure = mine = None
+            try:
+                mine = shard.lists(length)
+            except Exception as exc:  # carried to every rank by the gather
+                failure = exc
+            vals, gids = gather_lists(shard.group, mine, layout.order, layout.rows, device, length, failure)

@@ -22,9 +22,6 @@ from ..call import Call
 FEATURES: frozenset = frozenset({"kl_hidden", "candidates", "softcap", "keep", "top_k", "top_p", "min_p",
                                  "logits_dtype", "per_row", "sampler"})
 
-#: Sampler keywords refused with process_group= (name -> why); none at present.
-_NOT_YET: dict = {}
-
 
 def _shown(value: Any) -> str:
     if isinstance(value, torch.Tensor):
@@ -34,8 +31,8 @@ def _shown(value: Any) -> str:
 
 def check(call: Call) -> None:
     """Raise ``NotImplementedError`` with a sentence when the process_group= path cannot run ``call``:
-    inside a ``torch.func`` transform, with candidate labels, or with an option whose feature is not
-    in :data:`FEATURES`."""
+    inside a ``torch.func`` transform, ``kl_divergence`` with ``support=``, or with an option whose
+    feature is not in :data:`FEATURES`."""
     if "functorch" in call.features:
         raise NotImplementedError("process_group= calls are not supported inside torch.func transforms (vmap, grad, "
                                   "...); call the op outside the transform")
@@ -44,17 +41,6 @@ def check(call: Call) -> None:
         raise NotImplementedError(
             f"kl_divergence(..., process_group=...) does not support support={_shown(call.options['support'])} "
             "yet; gather both sides' shards to one rank and call without process_group, or leave support=None")
-    if call.candidates and "candidates" not in FEATURES:
-        labels = call.input("labels")
-        raise NotImplementedError(
-            f"candidate labels {tuple(labels.shape)} (..., K) are not supported with process_group= yet; pass one "
-            "label per position (labels[..., k] for each k), or gather the logits and call without process_group")
-    for name, why in _NOT_YET.items():
-        if name in call.features:
-            raise NotImplementedError(
-                f"{spec.function}(..., process_group=...) does not support {name}={_shown(call.options[name])} "
-                f"yet: {why}. Gather the logits to one rank and call without process_group (softcap, keep, top_k, "
-                "min_p, logits_dtype and candidate labels are supported with process_group=)")
     for option in spec.options:
         if option.feature in call.features and option.feature not in FEATURES:
             taken = ", ".join(sorted(o.name for o in spec.options if o.feature is None or o.feature in FEATURES))

@@ -5,7 +5,8 @@ The portable fallback of last resort: it materialises a float32 copy of the logi
 log-softmax), so it has the lowest priority. It implements every feature of the op table (the
 sampler's processing, candidate labels, ``topk_logprobs``, ``logits_dtype``, ``kl_divergence``
 with ``kl_hidden`` and ``kl_support``) as
-:mod:`logprob_registry.reference` defines it, in float32: the reference implementation of them.
+:mod:`logprob_registry.reference` defines it (``kit.reference_function``), in float32: the reference
+implementation of them.
 """
 
 from __future__ import annotations
@@ -14,29 +15,29 @@ import torch
 
 import logprob_registry as lr
 from logprob_registry import kit
-from logprob_registry import reference as ref
-from logprob_registry.distributed import processing as P
 from logprob_registry.kit import FLOAT_DTYPES, label_columns, pad_rows, result_dtype, tiled
 
 
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward, **sampler):
-    return ref.logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index,
-                        dtype=result_dtype(logits.dtype), **sampler)
+    return kit.reference_function("logprobs")(logits, labels, temperature=temperature, ignore_index=ignore_index,
+                                              dtype=result_dtype(logits.dtype), **sampler)
 
 
 def entropy(logits, *, temperature, **sampler):
-    return ref.entropy(logits, temperature=temperature, dtype=result_dtype(logits.dtype), **sampler)
+    return kit.reference_function("entropy")(logits, temperature=temperature, dtype=result_dtype(logits.dtype),
+                                             **sampler)
 
 
 def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward, **sampler):
-    return ref.logprobs_and_entropy(
+    return kit.reference_function("logprobs_and_entropy")(
         logits, labels, temperature=temperature, ignore_index=ignore_index, dtype=result_dtype(logits.dtype),
         **sampler,
     )
 
 
 def topk_logprobs(logits, *, k, temperature, **sampler):
-    return ref.topk_logprobs(logits, k, temperature=temperature, dtype=result_dtype(logits.dtype), **sampler)
+    return kit.reference_function("topk_logprobs")(logits, k, temperature=temperature,
+                                                   dtype=result_dtype(logits.dtype), **sampler)
 
 
 def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy,
@@ -59,11 +60,11 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
     flat_labels = labels.reshape((n, labels.shape[-1]) if candidates else (n,))
     padded_labels = torch.cat([flat_labels, flat_labels.new_zeros((pad,) + flat_labels.shape[1:])])
     if keep is not None:  # padded rows keep every token
-        flat_keep = ref.keep_mask(keep, weight.shape[0]).reshape(n, weight.shape[0])
+        flat_keep = kit.keep_mask(keep, weight.shape[0]).reshape(n, weight.shape[0])
         keep = torch.cat([flat_keep, flat_keep.new_ones(pad, weight.shape[0])])
     if rows:  # per-row values: padded rows take the neutral ones (temperature 1, truncation off)
         temperature, sampler = _pad_per_row(lead, pad, temperature, sampler)
-    out = ref.logprobs_from_hidden(
+    out = kit.reference_function("logprobs_from_hidden")(
         flat, weight, padded_labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
         return_entropy=return_entropy, dtype=result_dtype(hidden.dtype), keep=keep, **sampler,
     )
@@ -71,6 +72,38 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
     if return_entropy:
         return out[0][:n].reshape(shape), out[1][:n].reshape(lead)
     return out[:n].reshape(shape)
+
+
+def token_stats(inputs, labels, *, weight, bias, outputs, temperature, ignore_index, keep=None, **sampler):
+    """Every statistic from one float32 distribution (the reference's formulas); hidden states: rows
+    padded as in logprobs_from_hidden (batch invariance)."""
+    run = kit.reference_function("token_stats")
+    kw = dict(outputs=outputs, ignore_index=ignore_index, dtype=result_dtype(inputs.dtype), **sampler)
+    if weight is None:
+        return lr.TokenStats(**run(inputs, labels, temperature=temperature, keep=keep, **kw))
+    lead = inputs.shape[:-1]
+    n = lead.numel()
+    flat = pad_rows(inputs.reshape(n, inputs.shape[-1]))
+    pad = flat.shape[0] - n
+    flat_labels = None
+    if labels is not None:
+        flat_labels = labels.reshape((n, labels.shape[-1]) if labels.dim() == inputs.dim() else (n,))
+        flat_labels = torch.cat([flat_labels, flat_labels.new_zeros((pad,) + flat_labels.shape[1:])])
+    if keep is not None:
+        flat_keep = kit.keep_mask(keep, weight.shape[0]).reshape(n, weight.shape[0])
+        keep = torch.cat([flat_keep, flat_keep.new_ones(pad, weight.shape[0])])
+    if _per_row(temperature, sampler):
+        temperature, sampler = _pad_per_row(lead, pad, temperature, sampler)
+        kw.update(sampler)
+    got = run(flat, flat_labels, weight=weight, bias=bias, temperature=temperature, keep=keep, **kw)
+
+    def back(name, value):
+        if value is None:
+            return None
+        label_shaped = labels is not None and name in ("logprobs", "raw_logprobs", "is_argmax")
+        return value[:n].reshape(labels.shape if label_shaped else lead)
+
+    return lr.TokenStats(**{name: back(name, value) for name, value in got.items()})
 
 
 _NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}  # per row: unchanged, or "off"
@@ -94,10 +127,10 @@ def _pad_per_row(lead, pad, temperature, sampler):
 
 
 def kl_divergence(student, teacher, *, direction, temperature, mask, tail, student_weight=None,
-                  teacher_weight=None, support=None):
-    kw = dict(dtype=result_dtype(student.dtype), direction=direction, temperature=temperature, tail=tail)
+                  teacher_weight=None, support=None, beta=None):
+    kw = dict(dtype=result_dtype(student.dtype), direction=direction, temperature=temperature, tail=tail, beta=beta)
     if student_weight is None and teacher_weight is None:
-        return ref.kl_divergence(student, teacher, mask=mask, support=support, **kw)
+        return kit.reference_function("kl_divergence")(student, teacher, mask=mask, support=support, **kw)
     # Hidden states: rows flattened and a few padded, so that the matmul takes the path it takes for a
     # batch (batch invariance); padded rows get support ids 0..K-1 (distinct) and are dropped.
     lead = student.shape[:-1]
@@ -109,7 +142,8 @@ def kl_divergence(student, teacher, *, direction, temperature, mask, tail, stude
         flat = support.reshape(n, support.shape[-1])
         filler = torch.arange(flat.shape[1], device=flat.device, dtype=flat.dtype).expand(pad, -1)
         support = torch.cat([flat, filler])
-    out = ref.kl_divergence(s, t, student_weight=student_weight, teacher_weight=teacher_weight, support=support, **kw)
+    out = kit.reference_function("kl_divergence")(s, t, student_weight=student_weight, teacher_weight=teacher_weight,
+                                                  support=support, **kw)
     out = out[:n].reshape(lead)
     return out if mask is None else torch.where(mask, out, torch.zeros_like(out))
 
@@ -153,15 +187,16 @@ def _sampled(x, labels, lead, *, vocab_start, tile, temperature, ignore_index, w
              boundary, logits_dtype=None):
     """shard_stats with the sampler's processing (feature shard_sampler): the tile statistics of z over
     the kept tokens; labels (...) or candidates (..., K)."""
-    z, y = P.processed(P.rounded(x, logits_dtype), temperature=temperature, softcap=softcap,
-                       acc=result_dtype(x.dtype) if x.dtype != torch.float64 else x.dtype, logits_dtype=logits_dtype)
-    mask = P.kept(y, vocab_start, None if keep is None else keep.reshape(z.shape), _rows(boundary))
+    z, y = kit.shard_processed(kit.shard_rounded(x, logits_dtype), temperature=temperature, softcap=softcap,
+                               acc=result_dtype(x.dtype) if x.dtype != torch.float64 else x.dtype,
+                               logits_dtype=logits_dtype)
+    mask = kit.shard_kept(y, vocab_start, None if keep is None else keep.reshape(z.shape), _rows(boundary))
     picked = None
     if labels is not None:
         lab = labels.reshape(z.shape[0], -1)
-        owned, value = P.label_values(z, mask, lab, vocab_start, ignore_index)
+        owned, value = kit.shard_label_values(z, mask, lab, vocab_start, ignore_index)
         picked = torch.where(owned, value, 0.0).view(labels.shape)
-    m, s, t, _ = _stats(P.masked(z.clone(), mask), None, vocab_start, tile, ignore_index, with_entropy, lead)
+    m, s, t, _ = _stats(kit.shard_masked(z.clone(), mask), None, vocab_start, tile, ignore_index, with_entropy, lead)
     return m, s, t, picked
 
 
@@ -172,14 +207,14 @@ def _rows(boundary):
 def _sampled_grad(x, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature, softcap, keep,
                   boundary, logits_dtype=None):
     """d(loss)/d(x) of the raw logits x (N, V_local) in lse's dtype, with the sampler's processing."""
-    xr = P.rounded(x, logits_dtype)
-    z, y = P.processed(xr, temperature=temperature, softcap=softcap, acc=lse.dtype, logits_dtype=logits_dtype)
-    mask = P.kept(y, vocab_start, None if keep is None else keep.reshape(z.shape), _rows(boundary))
+    xr = kit.shard_rounded(x, logits_dtype)
+    z, y = kit.shard_processed(xr, temperature=temperature, softcap=softcap, acc=lse.dtype, logits_dtype=logits_dtype)
+    mask = kit.shard_kept(y, vocab_start, None if keep is None else keep.reshape(z.shape), _rows(boundary))
     n = z.shape[0]
     lab = None if labels is None else labels.reshape(n, -1)
     g_lp = None if grad_logprobs is None else grad_logprobs.reshape(n, -1)
-    dz = P.grad_z(z, mask, lab, vocab_start, lse, entropy, g_lp, grad_entropy)
-    return P.chain(dz, xr, temperature=temperature, softcap=softcap, logits_dtype=logits_dtype)
+    dz = kit.shard_grad_z(z, mask, lab, vocab_start, lse, entropy, g_lp, grad_entropy)
+    return kit.shard_chain(dz, xr, temperature=temperature, softcap=softcap, logits_dtype=logits_dtype)
 
 
 def _sampler_given(labels, lead, softcap, keep, boundary, logits_dtype=None, temperature=1.0):
@@ -224,14 +259,14 @@ def _topk(x, lead, *, vocab_start, temperature, k, decision, softcap, keep, boun
     """A shard's top-k (values, global ids), largest first, ties by smaller id: of the float32 decision
     logits y (decision=True: no mask), else of z over the kept tokens."""
     acc = torch.float64 if x.dtype == torch.float64 else result_dtype(x.dtype)
-    z, y = P.processed(P.rounded(x.to(acc) if logits_dtype is None else x, logits_dtype), temperature=temperature,
-                       softcap=softcap, acc=acc, logits_dtype=logits_dtype)
+    z, y = kit.shard_processed(kit.shard_rounded(x.to(acc) if logits_dtype is None else x, logits_dtype),
+                               temperature=temperature, softcap=softcap, acc=acc, logits_dtype=logits_dtype)
     if decision:
         values = y
     else:
-        values = P.masked(z.clone(), P.kept(y, vocab_start, None if keep is None else keep.reshape(z.shape),
-                                            _rows(boundary)))
-    top, ids = P.top_list(values, vocab_start, k)
+        kept = kit.shard_kept(y, vocab_start, None if keep is None else keep.reshape(z.shape), _rows(boundary))
+        values = kit.shard_masked(z.clone(), kept)
+    top, ids = kit.shard_top_list(values, vocab_start, k)
     return top.view(*lead, k), ids.view(*lead, k)
 
 
@@ -340,6 +375,7 @@ def register_backends(register):
             "entropy": entropy,
             "logprobs_and_entropy": logprobs_and_entropy,
             "logprobs_from_hidden": logprobs_from_hidden,
+            "token_stats": token_stats,
             "topk_logprobs": topk_logprobs,
             "kl_divergence": kl_divergence,
             "shard_stats": shard_stats,
@@ -358,7 +394,7 @@ def register_backends(register):
         batch_invariant=True,
         copies_logits=True,
         features={"functorch", "candidates", "softcap", "top_k", "top_p", "min_p", "keep", "logits_dtype",
-                  "kl_hidden", "kl_support", "shard_sampler", "per_row", "sampler"},
+                  "kl_hidden", "kl_support", "kl_jsd", "shard_sampler", "per_row", "sampler"},
         description="log_softmax + gather in float32; materialises the logits in float32; every feature, "
                     "as the reference defines it",
     ))

@@ -1,5 +1,7 @@
-"""Choosing the backend of a call and running it: explicit choice, the cached automatic choice,
-and the run-time fallback when an automatically chosen backend fails.
+"""The :class:`Registry`: the backends (a :class:`~.plugins.PluginSet`), choosing the backend of a
+call and running it: explicit choice, the cached automatic choice, and the run-time fallback when
+an automatically chosen backend fails; :meth:`Registry.run` says which backend ran and checks a
+shard op's outputs against the op table (:mod:`.outputs`).
 
 When does a failure mark a backend broken? Only when the backend itself is at fault. These are
 never its fault, so they reach the caller unchanged and mark nothing:
@@ -33,19 +35,21 @@ import dataclasses
 import sys
 import threading
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .. import config
 from ..backend import Backend
-from ..environment import Environment
+from ..environment import Environment, get_environment
 from ..opspec import OPS
 from ..validation import inside_functorch_transform
 from .errors import BackendFallbackWarning, NoEligibleBackendError
 from .explanation import Explanation
 from .key import ALWAYS_HIDDEN, Key, key_size
-from .plugins import PluginSet, error_line
+from .outputs import Expected
+from .outputs import check as check_outputs
+from .plugins import BUILTIN_PLUGINS, PluginSet, error_line
 from .ranking import Verdict, automatic, rank, why_not
 
 ENV_VAR = config.BACKEND.name
@@ -133,14 +137,42 @@ def _stacklevel() -> int:
     return level
 
 
-class Dispatcher:
-    """The selections of one registry: cached per key and environment, broken marks, calls."""
+class Registry(PluginSet):
+    """Every registered backend (:class:`~.plugins.PluginSet`: loading, plugins, ``prepare``) and the
+    choices made among them for one environment and one source of measured rankings: explicit
+    choice, the cached automatic choice, broken marks, calls with their fallback.
 
-    def __init__(self, plugins: PluginSet, environment: Callable[[], Environment], ranking: Any = None) -> None:
-        self._plugins = plugins
-        self._environment = environment
-        self.ranking = ranking  # the measured ranking source (see Registry), or None: priority decides
-        self._lock = threading.RLock()
+    ``environment`` is an :class:`Environment` (tests pass ``Environment.fake(...)``) or a function
+    returning the one in force (the default: the detected environment, which
+    ``environment.set_environment`` replaces process-wide).
+
+    ``ranking`` is where measured rankings come from, or None (the default) for none: priority
+    alone orders the backends. The process-wide registry (``get_registry``) takes the one the
+    package wires (``registry.set_process_ranking``: the user's tuning file). A ranking source has
+    two methods: ``entry(key, environment, versions)`` -> the measured ``tuning.cache.Entry`` for a
+    key, or None (``versions``: backend name -> "distribution version", to tell a stale
+    measurement), and ``status(environment, versions)`` -> one line for ``info``;
+    ``tuning.cache.Tuning`` is one.
+    """
+
+    def __init__(
+        self,
+        builtins: Sequence[str] = BUILTIN_PLUGINS,
+        entry_points: bool = True,
+        environment: Union[Environment, Callable[[], Environment], None] = None,
+        ranking: Any = None,
+    ) -> None:
+        super().__init__(builtins, entry_points)
+        if environment is None:
+            provider: Callable[[], Environment] = get_environment
+        elif isinstance(environment, Environment):
+            provider = lambda: environment  # noqa: E731
+        else:
+            provider = environment
+        self._environment = provider
+        self.ranking = ranking  # the measured ranking source, or None: priority decides
+        self.default: Optional[Backend] = None  # the automatic choice resolve_default found
+        self._choices_lock = threading.RLock()
         self._cache: Dict[Key, Backend] = {}
         self._strict_cache: Dict[Key, Backend] = {}  # the automatic choices under strict mode
         self._explicit_ok: Dict[Tuple[str, Key], Backend] = {}
@@ -148,32 +180,48 @@ class Dispatcher:
         self._state: Tuple[Any, int] = (None, -1)  # (environment, plugins.generation) the caches are for
 
     # --------------------------------------------------------------- state
-    def env(self) -> Environment:
+    def environment(self) -> Environment:
+        """The environment in force (the caches follow it: a new one, or a change of the backends, clears them)."""
         env = self._environment()
-        if self._state[0] is not env or self._state[1] != self._plugins.generation:
-            with self._lock:
+        if self._state[0] is not env or self._state[1] != self.generation:
+            with self._choices_lock:
                 self._cache.clear()
                 self._strict_cache.clear()
                 self._explicit_ok.clear()
-                names = {b.name for b in self._plugins.backends()}
+                names = {b.name for b in self.backends()}
                 for marks in self._broken.values():  # a removed backend's marks go with it
                     for name in [n for n in marks if n not in names]:
                         del marks[name]
-                self._state = (env, self._plugins.generation)
+                self._state = (env, self.generation)
         return env
 
     def reset(self) -> None:
         """Forget every cached selection and every broken mark."""
-        with self._lock:
+        with self._choices_lock:
             self._cache.clear()
             self._strict_cache.clear()
             self._explicit_ok.clear()
             self._broken.clear()
 
+    def tuning_status(self) -> str:
+        """Whether a tuning ranking is in use, for ``info``."""
+        if self.ranking is None:
+            return "tuning: none (this registry was made without a ranking source); priority decides"
+        return self.ranking.status(self.environment(), self.versions())
+
+    def resolve_default(self, key: Key) -> Optional[Backend]:
+        """The automatic choice for ``key`` (``import logprob_registry`` passes logprobs on the main
+        device, float32, no gradients), kept as ``default``, or None. Cheap and never raising."""
+        try:
+            self.default = self._automatic(key, strict_in_force())
+        except Exception:  # nothing eligible, or a plugin's check failing: explain() says why
+            self.default = None
+        return self.default
+
     def broken(self) -> Dict[Key, Dict[str, str]]:
         """Backends marked broken, per key, with the error that marked them."""
-        self.env()
-        with self._lock:
+        self.environment()
+        with self._choices_lock:
             return {k: dict(v) for k, v in self._broken.items() if v}
 
     # ----------------------------------------------------------- selection
@@ -198,10 +246,10 @@ class Dispatcher:
         mode in force) with its verdicts and without broken marks (see the module docstring)."""
         if strict is None:
             strict = strict_in_force()
-        env = self.env()
+        env = self.environment()
         ranking = self.ranking
-        measured = ranking.entry(key, env, self._plugins.versions()) if ranking is not None and key.vocab else None
-        backends = self._plugins.backends()
+        measured = ranking.entry(key, env, self.versions()) if ranking is not None and key.vocab else None
+        backends = self.backends()
         verdicts = rank(backends, key, env, None if strict else self._broken.get(key), config.get(UNTESTED.name),
                         measured)
         return strict_verdicts(verdicts, backends, key) if strict else verdicts
@@ -233,11 +281,11 @@ class Dispatcher:
         )
 
     def _check_explicit(self, name: str, source: str, key: Key) -> Backend:
-        env = self.env()
+        env = self.environment()
         found = self._explicit_ok.get((name, key))
         if found is not None:
             return found
-        chosen = self._plugins.get(name)
+        chosen = self.get(name)
         reason, transient = why_not(chosen, key, env, config.get(UNTESTED.name))
         if reason is not None:
             eligible = [v.name for v in self.verdicts(key, strict=False) if v.reason is None]
@@ -247,12 +295,12 @@ class Dispatcher:
                 "explicit choice to let the registry pick."
             )
         if not transient:
-            with self._lock:
+            with self._choices_lock:
                 self._explicit_ok[(name, key)] = chosen
         return chosen
 
     def _automatic(self, key: Key, strict: bool = False) -> Backend:
-        self.env()
+        self.environment()
         cache = self._strict_cache if strict else self._cache
         found = cache.get(key)
         if found is not None:
@@ -269,10 +317,10 @@ class Dispatcher:
                     + f"; register one that does, or leave strict mode (lr.strict(False), or unset {STRICT_VAR})."
                     f"\n{self.explain(key, strict)}")
             raise NoEligibleBackendError(f"no registered backend can run {key.describe()}.\n{self.explain(key)}")
-        found = self._plugins.get(name)
+        found = self.get(name)
         ahead = verdicts[: [v.name for v in verdicts].index(name)]
         if not any(v.transient for v in ahead):  # a transient "no" above it: ask again next time
-            with self._lock:
+            with self._choices_lock:
                 # not if, meanwhile, another thread marked it broken or the plugins changed: the
                 # verdicts read before that would cache a stale choice for good
                 if self._state is state and (strict or found.name not in self._broken.get(key, {})):
@@ -287,15 +335,15 @@ class Dispatcher:
         if forced is not None:
             able = any(v.name == forced and v.reason is None for v in verdicts)
             # under strict mode an explicit choice lacking a promise raises: then nothing is chosen
-            chosen = forced if able and not (strict and missing_promises(self._plugins.get(forced), key)) else None
+            chosen = forced if able and not (strict and missing_promises(self.get(forced), key)) else None
         else:
             chosen = automatic(verdicts)
         marked = [dataclasses.replace(v, chosen=v.name == chosen) for v in verdicts]
         listed = {v.name for v in verdicts}
-        degraded = tuple(d for d in self._plugins.degradations()
+        degraded = tuple(d for d in self.degradations()
                          if d.backend in listed and d.concerns(key.device, key.dtype))
         return Explanation(key, marked, chosen, f"{forced} ({source})" if forced else None,
-                           tuple(self._plugins.failures()), degraded, strict_source() if strict else None,
+                           tuple(self.failures()), degraded, strict_source() if strict else None,
                            self._size_notes(key, verdicts, chosen if forced is None else None))
 
     def _size_notes(self, key: Key, verdicts: List[Verdict], chosen: Optional[str]) -> tuple:
@@ -304,11 +352,11 @@ class Dispatcher:
         smaller call runs on."""
         if chosen is None or key_size(key.op, key.vocab, key.hidden) is not None:
             return ()
-        least = self._plugins.get(chosen).min_size.get(key.op)
+        least = self.get(chosen).min_size.get(key.op)
         if least is None:
             return ()
         after = [v.name for v in verdicts[[v.name for v in verdicts].index(chosen) + 1:] if v.eligible]
-        below = next((n for n in after if key.op not in self._plugins.get(n).min_size), None)
+        below = next((n for n in after if key.op not in self.get(n).min_size), None)
         per_row = "V x H" if key.op in ALWAYS_HIDDEN else "V (V x H for hidden states)"
         return (f"size rule: {chosen} declares min_size[{key.op!r}]={least}: a call whose {per_row} is smaller "
                 f"runs on {below or 'the next eligible backend'}; explain(..., shape=..., hidden_size=...) shows "
@@ -316,30 +364,60 @@ class Dispatcher:
 
     # ------------------------------------------------------------ dispatch
     def call(self, key: Key, backend: Optional[str], args: tuple, options: Mapping[str, Any]) -> Any:
-        """Run ``key.op`` through the selected backend, falling back if an automatic choice fails."""
+        """Run ``key.op`` through the selected backend, falling back if an automatic choice fails;
+        what the backend returned (:meth:`run` also says which backend it was, and checks outputs
+        as it describes)."""
         spec = OPS[key.op]
+        chosen, out = self._dispatch(spec, key, backend, args, options)
+        if spec.function is None:  # a shard op: checked against the op table
+            check_outputs(chosen.name, key.op, out)
+        return out
+
+    def run(self, key: Key, backend: Optional[str], args: tuple, options: Mapping[str, Any],
+            expected: Optional[Sequence[Optional[Expected]]] = None) -> Tuple[Backend, Any]:
+        """:meth:`call`, and who ran: ``(backend, result)``, the backend that returned the result
+        (after any fallback). A shard op's result (an op no public function dispatches to: the
+        distributed core's) is checked against the op table (:func:`.outputs.check`: its count of
+        outputs, and each against ``expected``, one :class:`~.outputs.Expected` or None per
+        output), so that a backend returning something else is named with its op in one error."""
+        spec = OPS[key.op]
+        chosen, out = self._dispatch(spec, key, backend, args, options)
+        if spec.function is None:
+            check_outputs(chosen.name, key.op, out, expected)
+        return chosen, out
+
+    def preselect(self, key: Key, backend: Optional[str] = None) -> Optional[str]:
+        """For a call of ``key`` made later, out of this context (a backward): raise now, as
+        :meth:`select` would, if nothing can run it, and return what to pass it as ``backend``
+        then: the explicit choice in force now (``backend``, ``use_backend``, the environment
+        variable), or None for the automatic choice at that time."""
+        self.select(key, backend)
+        return self.forced(backend)[0]
+
+    def _dispatch(self, spec, key: Key, backend: Optional[str], args: tuple,
+                  options: Mapping[str, Any]) -> Tuple[Backend, Any]:
         strict = strict_in_force()
         name, source = self.forced(backend)
         if name is not None:
             chosen = self._explicit(name, source, key, strict)
-            return chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
+            return chosen, chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
         if strict:  # no fallback: the backend's error reaches the caller as raised, and marks nothing
             chosen = self._automatic(key, True)
-            return chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
+            return chosen, chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
         while True:
             chosen = self._automatic(key)
             try:
-                return chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
+                return chosen, chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
             except Exception as exc:
                 if caller_fault(exc) is not None:
                     raise
-                with self._lock:
+                with self._choices_lock:
                     self._broken.setdefault(key, {})[chosen.name] = error_line(exc)
                     self._cache.pop(key, None)
                 try:
                     replacement = self._automatic(key)
                 except NoEligibleBackendError:
-                    with self._lock:  # the last resort stays: its own error is more useful than "none left"
+                    with self._choices_lock:  # the last resort stays: its own error is more useful than "none left"
                         self._broken.get(key, {}).pop(chosen.name, None)
                     raise exc from None
                 warnings.warn(

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
 from ..dtypes import dtype_name
+from ..opspec import OPS
 
 #: Upper edges of the vocabulary-size buckets. A selection may depend on the bucket of the
 #: vocabulary, never on the number of rows (so a row's result never depends on its batch).
@@ -71,10 +72,29 @@ def describe_hidden(bucket: int) -> str:
     return f"hidden sizes of {low} to {high}" if high else f"hidden sizes above {low - 1}"
 
 
+class _OpsWhere:
+    """The ops of the op table for which ``OpSpec.<attribute>`` holds (``op in HIDDEN_KEYED``), read
+    from the table at each test, so an op added to it is seen."""
+
+    def __init__(self, attribute: str) -> None:
+        self.attribute = attribute
+
+    def __contains__(self, op: object) -> bool:
+        spec = OPS.get(op) if isinstance(op, str) else None
+        return spec is not None and bool(getattr(spec, self.attribute))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([op for op in OPS if op in self])
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(map(repr, self)) + "}"
+
+
 #: The ops whose key holds a hidden-size bucket (their inputs may be hidden states and a weight),
-#: and among them those whose inputs are always hidden states.
-HIDDEN_KEYED = frozenset({"logprobs_from_hidden", "kl_divergence"})
-ALWAYS_HIDDEN = frozenset({"logprobs_from_hidden"})
+#: and among them those whose inputs are always hidden states (``OpSpec.keyed_by_hidden``,
+#: ``OpSpec.always_hidden``).
+HIDDEN_KEYED = _OpsWhere("keyed_by_hidden")
+ALWAYS_HIDDEN = _OpsWhere("always_hidden")
 
 
 def key_size(op: str, vocab: int, hidden: int) -> Optional[float]:

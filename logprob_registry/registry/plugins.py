@@ -1,6 +1,8 @@
 """Loading plugins: the built-in ones and every entry point of the group ``logprob_registry``.
 pluggy lives here and nowhere else. A plugin that fails to import, raises while registering, or
-registers a name already taken is recorded with the reason and never breaks the others."""
+registers a name already taken is recorded with the reason and never breaks the others.
+:class:`PluginSet` is the registry's half that knows backends (and builds their kernels ahead of
+time); :class:`~.dispatch.Registry` adds the choice among them."""
 
 from __future__ import annotations
 
@@ -9,12 +11,12 @@ import importlib
 import importlib.metadata
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import pluggy
 
 from .. import hookspecs
-from ..backend import Backend, Degradation
+from ..backend import Backend, Degradation, Preparation, Prepared, PrepareError
 from .errors import NoEligibleBackendError
 
 ENTRY_POINT_GROUP = "logprob_registry"
@@ -88,7 +90,7 @@ class PluginSet:
             except Exception as exc:
                 self._failures.append(PluginFailure(name, builtin_dist, f"failed to import: {error_line(exc)}"))
                 continue
-            self.add(module, name=name, distribution=builtin_dist)
+            self.add_plugin(module, name=name, distribution=builtin_dist)
         if self._load_entry_points:
             for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
                 dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
@@ -97,10 +99,11 @@ class PluginSet:
                 except Exception as exc:
                     self._failures.append(PluginFailure(ep.name, dist, f"failed to import: {error_line(exc)}"))
                     continue
-                self.add(obj, name=ep.name, distribution=dist)
+                self.add_plugin(obj, name=ep.name, distribution=dist)
 
-    def add(self, plugin: object, name: str, distribution: str = "registered at run time") -> List[str]:
-        """Register a plugin object and collect its backends; returns their names."""
+    def add_plugin(self, plugin: object, name: str, distribution: str = "registered at run time") -> List[str]:
+        """Register a plugin object and collect its backends; returns their names. A plugin that
+        raises while registering, or registers a name already taken, is recorded as a failure."""
         with self._lock:
             try:
                 self.pm.register(plugin, name=name)
@@ -135,7 +138,7 @@ class PluginSet:
             self._changed()
             return list(added)
 
-    def remove(self, name: str) -> None:
+    def remove_plugin(self, name: str) -> None:
         """Unregister a plugin and drop its backends and failures (tests and ``bench --plugin``)."""
         with self._lock:
             if self.pm.has_plugin(name):
@@ -194,3 +197,32 @@ class PluginSet:
             (name, dist, sorted(b.name for b in self._backends.values() if b.origin == name))
             for name, dist in self._dists.items()
         ]
+
+    def preparers(self) -> List[Backend]:
+        """The backends that can build their kernels ahead of time (they declare ``prepare``)."""
+        return [b for b in self.backends() if b.prepare is not None]
+
+    def prepare(self, request: Preparation, backends: Optional[Sequence[str]] = None) -> List[Prepared]:
+        """Build ahead of time what ``request`` asks (``logprob-registry warmup``), with every backend
+        that declares ``prepare``, or with those named in ``backends``; returns their records,
+        each naming its backend. A request a backend cannot take raises ValueError naming it (with
+        ``request.dry_run`` nothing is built, so a dry run first checks every backend); a failure
+        to build raises :class:`PrepareError`; NoEligibleBackendError for an unknown name."""
+        chosen = self.preparers() if backends is None else [self.get(name) for name in backends]
+        lacking = [b.name for b in chosen if b.prepare is None]
+        if lacking:
+            able = ", ".join(b.name for b in self.preparers()) or "none"
+            raise ValueError(f"backend {', '.join(map(repr, lacking))} builds nothing ahead (it declares no "
+                             f"prepare); the backends that do: {able}")
+        done: List[Prepared] = []
+        for b in chosen:
+            try:
+                records = list(b.prepare(request))
+            except ValueError as exc:
+                raise ValueError(f"{b.name}: {exc}") from exc
+            except PrepareError:
+                raise
+            except Exception as exc:
+                raise PrepareError(f"{b.name}: {exc}") from exc
+            done += [dataclasses.replace(r, backend=b.name) for r in records]
+        return done

@@ -5,7 +5,7 @@ read its answer, so the table always says what a call does."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Collection, Iterable, List, Mapping, Optional, Tuple
+from typing import Collection, Iterable, List, Mapping, Optional, Protocol, Tuple
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -15,8 +15,13 @@ from ..dtypes import dtype_name
 from ..environment import Environment, device_label
 from .key import Key, bucket_range, describe_bucket, describe_hidden, key_size
 
-if TYPE_CHECKING:
-    from ..tuning.cache import Entry
+
+class Measured(Protocol):
+    """A measured ranking of one key, from the registry's ranking source (``tuning.cache.Entry`` is
+    one): seconds per call by backend, and the backends that failed the smoke check, with why."""
+
+    times: Mapping[str, float]
+    failed: Mapping[str, str]
 
 
 @dataclass(frozen=True)
@@ -100,11 +105,11 @@ def why_not(backend: Backend, key: Key, env: Environment, untested: Collection[s
 
 
 def rank(backends: Iterable[Backend], key: Key, env: Environment, broken: Optional[Mapping[str, str]] = None,
-         untested: Collection[str] = (), measured: Optional[Entry] = None) -> List[Verdict]:
+         untested: Collection[str] = (), measured: Optional[Measured] = None) -> List[Verdict]:
     """Every backend's verdict for ``key``, best first; the first eligible one is the automatic
     choice (``chosen`` is left for the caller to mark).
 
-    Without a measured ``Entry`` (a tuning ranking for the key), priority orders them; with one,
+    Without a ``measured`` ranking (a tuning ranking for the key), priority orders them; with one,
     the backends measured come first, fastest first, then the others by priority, and a backend
     that failed the tuning smoke check is passed over. A backend whose ``min_vocab`` lies above the
     key's vocabulary bucket, or whose ``min_size`` for the op lies above the key's size

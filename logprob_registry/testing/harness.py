@@ -95,8 +95,7 @@ class Harness:
         spec = OPS[op]
         given = dict(temperature=temperature, ignore_index=ignore_index, inplace_backward=inplace_backward, **options)
         kwargs = spec.options_of(given)
-        out = spec.public()(*inputs[: len(spec.inputs)], backend=self.name, **kwargs)
-        return tuple(out) if len(spec.output_names(kwargs)) > 1 else (out,)
+        return spec.unpack(spec.public()(*inputs[: len(spec.inputs)], backend=self.name, **kwargs), kwargs)
 
     @staticmethod
     def reference(op: str, *inputs: Optional[torch.Tensor], **options) -> Tuple[torch.Tensor, ...]:

@@ -14,7 +14,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Mapping, Optional, Sequence
 
 from ..backend import Backend
 
@@ -56,8 +56,10 @@ def not_eligible_reason(backend: Backend, device: str) -> Optional[str]:
     return first
 
 
-def run_suite(name: str, device: str, keyword: Optional[str] = None) -> Result:
-    """The shipped suite against backend ``name`` on ``device``, in a pytest subprocess."""
+def run_suite(name: str, device: str, keyword: Optional[str] = None, plugins: Sequence[str] = (),
+              env: Optional[Mapping[str, str]] = None) -> Result:
+    """The shipped suite against backend ``name`` on ``device``, in a pytest subprocess (with the
+    pytest ``plugins`` loaded by ``-p`` and ``env`` added to its environment: ``check --against``)."""
     from . import suite_path
 
     with tempfile.TemporaryDirectory(prefix="logprob-check-") as tmp:
@@ -69,8 +71,10 @@ def run_suite(name: str, device: str, keyword: Optional[str] = None) -> Result:
                "--logprob-backend", name, "--logprob-device", device, "--junitxml", report]
         if keyword:
             cmd += ["-k", keyword]
+        for plugin in plugins:
+            cmd += ["-p", plugin]
         # No other pytest plugins; glibc maps large blocks from the start (exact peak-memory readings).
-        env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", MALLOC_MMAP_THRESHOLD_="65536")
+        env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", MALLOC_MMAP_THRESHOLD_="65536", **(env or {}))
         start = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
         seconds = time.perf_counter() - start

@@ -168,7 +168,7 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda text: None) -> Rank
     """Measure ``plan``; the ranking of every key measured."""
     registry = get_registry()
     env = registry.environment()
-    versions = registry.plugins_set.versions()
+    versions = registry.versions()
     entries: Dict[str, Entry] = {}
     measured_backends = set()
     for key, vocab, hidden in plan.keys():

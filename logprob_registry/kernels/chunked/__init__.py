@@ -14,8 +14,8 @@ and the fused op's ``logits_dtype`` go through :mod:`._sampler`, a chunk of rows
 without them runs the code above, unchanged.
 
 Modules: :mod:`._rows` (the row loops), :mod:`._hidden` (the fused linear op), :mod:`._sampler`
-(the sampler's processing), :mod:`._shards` (the vocabulary-parallel ops behind ``process_group=``,
-group invariant).
+(the sampler's processing), :mod:`._stats` (``token_stats``: every statistic in the same pass),
+:mod:`._shards` (the vocabulary-parallel ops behind ``process_group=``, group invariant).
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from typing import Optional, Tuple
 import torch
 
 import logprob_registry as lr
-from logprob_registry import config, kit
+from logprob_registry import kit
 from logprob_registry.kit import FLOAT_DTYPES, backward_without_autocast, overlapping, second_order_gradient
 
-from . import _hidden, _kl, _kl_shards, _sampler, _shards
+from . import _hidden, _kl, _kl_shards, _sampler, _shards, _stats
 from . import _rows as loops
 
 DEFAULT_WORKSPACE_BYTES = 8 << 20
-WORKSPACE = config.declare(config.Variable(
-    "LOGPROB_REGISTRY_CHUNKED_WORKSPACE", config.parse_bytes, DEFAULT_WORKSPACE_BYTES,
+WORKSPACE = kit.declare_variable(kit.Variable(
+    "LOGPROB_REGISTRY_CHUNKED_WORKSPACE", kit.parse_bytes, DEFAULT_WORKSPACE_BYTES,
     "bytes of the chunked backend's two fp32 chunk buffers (default 8MiB)"))
 WORKSPACE_ENV = WORKSPACE.name
 # Devices whose row kernels work row by row whatever the shape; elsewhere chunks get a fixed shape.
@@ -46,7 +46,7 @@ def set_workspace_bytes(nbytes: Optional[int]) -> None:
     """Set the workspace budget of the ``chunked`` backend for this process; ``None`` restores the
     environment variable or the default. Larger budgets mean fewer, larger chunks."""
     global _workspace_override
-    _workspace_override = None if nbytes is None else config.positive_bytes(nbytes, "the workspace budget")
+    _workspace_override = None if nbytes is None else kit.positive_bytes(nbytes, "the workspace budget")
 
 
 def workspace_bytes() -> int:
@@ -54,7 +54,7 @@ def workspace_bytes() -> int:
     ``LOGPROB_REGISTRY_CHUNKED_WORKSPACE``, else ``DEFAULT_WORKSPACE_BYTES``."""
     if _workspace_override is not None:
         return _workspace_override
-    return config.get(WORKSPACE.name)
+    return kit.variable_value(WORKSPACE.name)
 
 
 def _plan(logits: torch.Tensor, temperature: float, want_logprobs: bool, want_entropy: bool) -> loops.Plan:
@@ -197,6 +197,13 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
                                         chunk_bytes=chunk_bytes)
 
 
+def token_stats(inputs, labels, *, weight, bias, outputs, temperature, ignore_index, chunk_bytes=None, **sampler):
+    return _stats.token_stats(inputs, labels, weight=weight, bias=bias, outputs=outputs, temperature=temperature,
+                              ignore_index=ignore_index, budget=workspace_bytes(),
+                              fixed_shape=inputs.device.type not in ROW_WISE_DEVICES, chunk_bytes=chunk_bytes,
+                              **sampler)
+
+
 def kl_divergence(student, teacher, *, direction, temperature, mask, tail, student_weight=None,
                   teacher_weight=None, support=None):
     hidden = student_weight is not None or teacher_weight is not None
@@ -232,6 +239,7 @@ def register_backends(register):
             "entropy": entropy,
             "logprobs_and_entropy": logprobs_and_entropy,
             "logprobs_from_hidden": logprobs_from_hidden,
+            "token_stats": token_stats,
             "topk_logprobs": topk_logprobs,
             "kl_divergence": kl_divergence,
             "shard_stats": shard_stats,

@@ -39,8 +39,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from logprob_registry import config
-from logprob_registry import reference as ref
+from logprob_registry import kit
 from logprob_registry.kit import (
     MIN_GEMM_ROWS,
     add_matmul,
@@ -56,8 +55,8 @@ from logprob_registry.kit import result_dtype as _compute_dtype
 #: where a 1024 x 1024 tile already keeps the matmuls as fast as one big matmul; larger on
 #: accelerators (not measured here), where fewer, larger launches matter more than a few hundred MB.
 DEFAULT_CHUNK_BYTES = {"cpu": 4 << 20, "default": 256 << 20}
-CHUNK_BYTES = config.declare(config.Variable(
-    "LOGPROB_REGISTRY_HIDDEN_CHUNK_BYTES", config.parse_bytes, None,
+CHUNK_BYTES = kit.declare_variable(kit.Variable(
+    "LOGPROB_REGISTRY_HIDDEN_CHUNK_BYTES", kit.parse_bytes, None,
     "bytes of one fp32 tile of logits in chunked's logprobs_from_hidden (default 4MiB on CPU, 256MiB elsewhere)"))
 CHUNK_BYTES_ENV = CHUNK_BYTES.name
 
@@ -78,8 +77,8 @@ class Plan(NamedTuple):
 def resolve_chunk_bytes(device: torch.device, override: Optional[int] = None) -> int:
     """The tile budget in bytes: ``override``, else the environment variable, else the default."""
     if override is not None:
-        return config.positive_bytes(override, "chunk_bytes")
-    configured = config.get(CHUNK_BYTES.name)
+        return kit.positive_bytes(override, "chunk_bytes")
+    configured = kit.variable_value(CHUNK_BYTES.name)
     if configured is not None:
         return configured
     return DEFAULT_CHUNK_BYTES.get(device.type, DEFAULT_CHUNK_BYTES["default"])
@@ -171,8 +170,12 @@ def _labels(labels: torch.Tensor, ignore_index: Optional[int]) -> _Labels:
     return _Labels(index.masked_fill(~keep, 0), keep)
 
 
-def _forward(hidden, weight, bias, lab: _Labels, temperature, entropy, tiles: Plan, accumulate: bool = False):
+def _forward(hidden, weight, bias, lab: _Labels, temperature, entropy, tiles: Plan, accumulate: bool = False,
+             extras=None):
     """Log-sum-exp, label logit and (if asked) ``sum p z`` per token, tile by tile.
+    ``extras`` (token_stats, :mod:`._stats`): ``extras.logits(r0, r1, v0, z, m_old, m_new)`` sees each
+    tile of ``z`` with the running max before and after it, and ``extras.exps(r0, r1, e, alpha)`` its
+    ``exp(z - running max)`` and the rescaling factor, read-only, in the same pass.
 
     Returns ``(logp, lse, ent, dh)`` in the compute dtype; ``ent`` is None unless asked; ``dh``
     (with ``accumulate``: a frozen weight, see :func:`_accumulates`; else None) is ``d logp / d
@@ -189,6 +192,9 @@ def _forward(hidden, weight, bias, lab: _Labels, temperature, entropy, tiles: Pl
     t = torch.zeros(n, **opts) if entropy else None  # running sum of exp(z - m) * z
     zl = torch.zeros(n, **opts)                    # the label's logit
     acc = torch.zeros(n, hidden.shape[1], **opts) if accumulate else None  # sum exp(z - m) w
+    # the entropy's exp(z - m), in one buffer for every tile: a fresh tile-sized tensor per tile costs
+    # its page faults (4 ms a 4 MiB tile on the CPU, a quarter of the tile's matmul)
+    ebuf = torch.empty(min(n, tiles.rows) * min(v, tiles.cols), **opts) if entropy else None
     for v0 in range(0, v, tiles.cols):
         v1 = min(v, v0 + tiles.cols)
         w = _block(weight[v0:v1], cd)
@@ -204,10 +210,14 @@ def _forward(hidden, weight, bias, lab: _Labels, temperature, entropy, tiles: Pl
             m_new = torch.maximum(m_old, z.amax(1))
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
             alpha = (m_old - m_safe).exp_()
+            if extras is not None:
+                extras.logits(r0, r1, v0, z, m_old, m_new)
             if t is None:
                 e = z.sub_(m_safe.unsqueeze(1)).exp_()  # z is not needed any more
             else:
-                e = (z - m_safe.unsqueeze(1)).exp_()
+                e = torch.sub(z, m_safe.unsqueeze(1), out=ebuf[: z.numel()].view(z.shape)).exp_()
+            if extras is not None:
+                extras.exps(r0, r1, e, alpha)
             s[r0:r1] = s[r0:r1] * alpha + e.sum(1)
             if acc is not None:
                 rows = acc[r0:r1]
@@ -305,9 +315,9 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             return (None,) * 8
         if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
             def outputs():
-                out = ref.logprobs_from_hidden(hidden, weight, labels, bias=bias, temperature=temperature,
-                                               ignore_index=ignore_index, return_entropy=sbar is not None,
-                                               dtype=_compute_dtype(hidden.dtype))
+                out = kit.reference_function("logprobs_from_hidden")(
+                    hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
+                    return_entropy=sbar is not None, dtype=_compute_dtype(hidden.dtype))
                 return out if isinstance(out, tuple) else (out,)
 
             inputs = tuple(t if n else None for t, n in zip((hidden, weight, bias), need))

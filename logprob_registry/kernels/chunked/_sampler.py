@@ -4,8 +4,9 @@
 
 A chunk of rows is processed whole: its processed logits ``z = softcap(x) / T`` (the softcap in
 float64, rounded once; with the fused op's ``logits_dtype``, the engine's three ops each rounded to
-it, as :func:`reference.softcapped`), the truncation decision on the float32 processed logits (the
-reference's own row-wise functions, so that the kept set is the reference's bit for bit, vLLM's
+it, as :func:`logprob_registry.truncation.softcapped`), the truncation decision on the float32
+processed logits (the reference's own row-wise functions, ``kit.truncation_boundary`` and
+``kit.kept_from_boundary``, so that the kept set is the reference's bit for bit, vLLM's
 fp32 procedure; its ``top_p`` sorts this chunk's rows and no more), then the log-sum-exp over the
 kept tokens, the labels' values, the entropy, or the top k. A chunk holds as many rows as fit
 :data:`BYTES_PER_ELEMENT` bytes per logit in the workspace budget (at least one row): every
@@ -28,7 +29,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from logprob_registry import reference as ref
+from logprob_registry import kit
 from logprob_registry.kit import (
     MIN_GEMM_ROWS,
     Sampler,
@@ -142,16 +143,17 @@ def _divide_(t: torch.Tensor, temperature) -> torch.Tensor:
 
 def _engine_round_(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` rounded in place as a ``dtype`` kernel rounds (float32, then ``dtype``):
-    :func:`reference.engine_round`'s value."""
+    :func:`logprob_registry.truncation.engine_round`'s value."""
     return t.copy_(t.to(torch.float32).to(dtype))
 
 
 def _softcap_in_dtype(src: torch.Tensor, plan: Plan, want_grad: bool):
     """``(s, d)``: the softcap of rows ``src`` as an engine whose lm_head runs in ``plan.logits_dtype``
-    computes it (``x / cap``, ``tanh``, ``* cap``, each rounded to it; :func:`reference.softcapped`),
-    in the compute dtype (a buffer of its own), and, if asked, its float64 derivative
-    ``1 - tanh(u)**2`` at the rounded ``u = x / cap`` (0 at -inf)."""
-    ld, cap = plan.logits_dtype, ref.float32_value(plan.softcap)
+    computes it (``x / cap``, ``tanh``, ``* cap``, each rounded to it;
+    :func:`logprob_registry.truncation.softcapped`), in the compute dtype (a buffer of its own),
+    and, if asked, its float64 derivative ``1 - tanh(u)**2`` at the rounded ``u = x / cap`` (0 at
+    -inf)."""
+    ld, cap = plan.logits_dtype, kit.float32_value(plan.softcap)
     f32_max = torch.finfo(torch.float32).max
     u = torch.empty(src.shape, dtype=torch.float64, device=src.device).copy_(src)
     neg = torch.isneginf(u)
@@ -169,7 +171,7 @@ def _processed(src: torch.Tensor, plan: Plan, want_grad: bool = False, sl: slice
     """``(z, y32, d)`` of rows ``src`` (flat rows ``sl``, padded as ``src`` is): the processed logits
     in the compute dtype (a buffer of their own), the float32 decision logits (``z`` itself when
     that is float32) and, if asked (and softcapped), the float64 derivative of the softcap. The same
-    arithmetic as :func:`reference.processed_logits`."""
+    arithmetic as :func:`logprob_registry.truncation.processed_logits`."""
     cdt = plan.cdt
     temperature = row_values(plan, "temperature", sl, src.shape[0])
     cap = d = None
@@ -227,13 +229,13 @@ def _kept(y32, plan: Plan, stats: Stats, sl: slice, v0: int = 0, decide: bool = 
     if plan.boundary:
         if decide:
             top_k, top_p, min_p = (row_values(plan, name, sl, rows) for name in ("top_k", "top_p", "min_p"))
-            t, j = ref.truncation_boundary(y32, top_k=top_k, top_p=top_p, min_p=min_p, order=plan.order)
+            t, j = kit.truncation_boundary(y32, top_k=top_k, top_p=top_p, min_p=min_p, order=plan.order)
             stats.t[sl], stats.j[sl] = t[:r], j[:r]
         else:
             t, j = _pad(stats.t[sl], rows, float("inf")), _pad(stats.j[sl], rows)
         boundary = (t, j)
     keep = _keep_tile(plan, sl, rows, v0, v0 + y32.shape[1])
-    return ref.kept_from_boundary(y32, boundary, keep, first_id=v0, order=plan.order)
+    return kit.kept_from_boundary(y32, boundary, keep, first_id=v0, order=plan.order)
 
 
 def _row_reduce(op, t: torch.Tensor) -> torch.Tensor:
@@ -245,15 +247,20 @@ def _row_reduce(op, t: torch.Tensor) -> torch.Tensor:
 
 
 def forward_rows(src: torch.Tensor, sl: slice, plan: Plan, stats: Stats, index: Optional[torch.Tensor],
-                 lp_out: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+                 lp_out: Optional[torch.Tensor], extras=None) -> Optional[torch.Tensor]:
     """Forward of flat rows ``sl`` whose logits (or, for the fused op, logits block) are ``src``
-    ``(r, V)``: fills ``stats`` and ``lp_out`` (the labels' values, or topk's), returns topk's ids."""
+    ``(r, V)``: fills ``stats`` and ``lp_out`` (the labels' values, or topk's), returns topk's ids.
+    ``extras`` (token_stats, :mod:`._stats`): ``extras.raw(z, sl, r)`` sees the processed logits
+    before truncation, ``extras.processed(z, e, s, kept, empty, sl, r)`` them over the kept tokens
+    (``e = exp(z - m)``, ``s`` its row sum), both read-only, in the same pass."""
     r = src.shape[0]
     if plan.fixed_shape:
         src = _pad(src, plan.rows)
     z, y32, _ = _processed(src, plan, sl=sl)
     kept = _kept(y32, plan, stats, sl, decide=True)
     del y32
+    if extras is not None:
+        extras.raw(z, sl, r)
     empty = None
     if kept is not None:
         empty = ~kept.any(-1)
@@ -265,6 +272,8 @@ def forward_rows(src: torch.Tensor, sl: slice, plan: Plan, stats: Stats, index: 
     s = _row_reduce(torch.sum, e)
     log_s = s.log()
     stats.m[sl], stats.log_s[sl] = m[:r], log_s[:r]
+    if extras is not None:
+        extras.processed(z, e, s, kept, empty, sl, r)
     outside = None
     if kept is not None:
         nan = torch.full((), float("nan"), dtype=z.dtype, device=z.device)
@@ -274,7 +283,7 @@ def forward_rows(src: torch.Tensor, sl: slice, plan: Plan, stats: Stats, index: 
         full = z.sub(m.unsqueeze(-1)).sub_(log_s.unsqueeze(-1))[:r]
         if kept is not None:
             full = torch.where(kept[:r], full, outside)
-        ids = ref.topk_ids(full, plan.topk)
+        ids = kit.topk_ids(full, plan.topk)
         lp_out[sl] = full.gather(1, ids)
         if kept is not None:
             stats.label_kept[sl] = kept[:r].gather(1, ids)

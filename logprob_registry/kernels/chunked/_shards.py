@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from logprob_registry.distributed import processing as P
+from logprob_registry import kit
 from logprob_registry.kit import (
     MIN_GEMM_ROWS,
     add_matmul,
@@ -319,7 +319,7 @@ def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_
 
 
 # ------------------------------------------------- the sampler's processing (feature shard_sampler)
-# The same steps as naive's (logprob_registry.distributed.processing), a chunk of rows (or, for the
+# The same steps as naive's (kit.shard_processed, kit.shard_kept, ...), a chunk of rows (or, for the
 # fused op, one tile of logits) at a time; the tile statistics by tile_stats_, so that they stay
 # bitwise independent of the shard boundaries.
 def sampler_given(labels, lead, softcap, keep, boundary, logits_dtype=None, temperature=1.0) -> bool:
@@ -348,11 +348,11 @@ def _part(boundary, sl):
 
 def _processed_block(x, first_id, temperature, softcap, keep, boundary, acc, logits_dtype=None):
     """``(xr, z, kept)`` of a block of raw logits ``x`` (rows, columns) whose column 0 is ``first_id``."""
-    xr = P.rounded(x.to(acc), logits_dtype)
-    z, y = P.processed(xr, temperature=temperature, softcap=softcap, acc=acc, logits_dtype=logits_dtype)
+    xr = kit.shard_rounded(x.to(acc), logits_dtype)
+    z, y = kit.shard_processed(xr, temperature=temperature, softcap=softcap, acc=acc, logits_dtype=logits_dtype)
     if z is xr:
         z = z.clone()
-    return xr, z, P.kept(y, first_id, keep, boundary)
+    return xr, z, kit.shard_kept(y, first_id, keep, boundary)
 
 
 def sampled_shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, softcap,
@@ -373,9 +373,9 @@ def sampled_shard_stats(logits, labels, *, vocab_start, tile, temperature, ignor
                                       None if keep is None else keep[sl],
                                       _part(boundary, sl), acc)
         if picked is not None:
-            owned, value = P.label_values(z, kept, lab[sl], vocab_start, ignore_index)
+            owned, value = kit.shard_label_values(z, kept, lab[sl], vocab_start, ignore_index)
             picked[sl] = torch.where(owned, value, 0.0)
-        P.masked(z, kept)
+        kit.shard_masked(z, kept)
         if nt * tile != width:
             z = torch.nn.functional.pad(z, (0, nt * tile - width), value=float("-inf"))
         cm, cs, ct = stats_fn(z.view(r, nt, tile), with_entropy)
@@ -409,10 +409,10 @@ def sampled_shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy
         sl = slice(start, start + r)
         xr, z, kept = _processed_block(chunk, vocab_start, _temperature_rows(temperature, sl), softcap,
                                        None if keep is None else keep[sl], _part(boundary, sl), acc)
-        dz = P.grad_z(z, kept, None if lab is None else lab[sl], vocab_start, lse[sl],
-                      None if entropy is None else entropy[sl], None if g_lp is None else g_lp[sl],
-                      None if g_ent is None else g_ent[sl])
-        grad = P.chain(dz, xr, temperature=_temperature_rows(temperature, sl), softcap=softcap)
+        dz = kit.shard_grad_z(z, kept, None if lab is None else lab[sl], vocab_start, lse[sl],
+                              None if entropy is None else entropy[sl], None if g_lp is None else g_lp[sl],
+                              None if g_ent is None else g_ent[sl])
+        grad = kit.shard_chain(dz, xr, temperature=_temperature_rows(temperature, sl), softcap=softcap)
         (chunk if inplace else flat_out[sl]).copy_(grad)
     if inplace and hasattr(torch.autograd.graph, "increment_version"):
         torch.autograd.graph.increment_version(logits)
@@ -432,13 +432,13 @@ def shard_topk(logits, *, vocab_start, temperature, k, decision, softcap=None, k
     for start, chunk in chunks(logits, rows):
         sl = slice(start, start + chunk.shape[0])
         xr = chunk.to(acc)
-        z, y = P.processed(xr, temperature=_temperature_rows(temperature, sl), softcap=softcap, acc=acc)
+        z, y = kit.shard_processed(xr, temperature=_temperature_rows(temperature, sl), softcap=softcap, acc=acc)
         if decision:
             ranked = y
         else:
-            ranked = P.masked(z.clone(), P.kept(y, vocab_start, None if keep is None else keep[sl],
-                                                _part(boundary, sl)))
-        values[sl], ids[sl] = P.top_list(ranked, vocab_start, k)
+            kept = kit.shard_kept(y, vocab_start, None if keep is None else keep[sl], _part(boundary, sl))
+            ranked = kit.shard_masked(z.clone(), kept)
+        values[sl], ids[sl] = kit.shard_top_list(ranked, vocab_start, k)
     return values.view(*lead, k), ids.view(*lead, k)
 
 
@@ -475,9 +475,9 @@ def sampled_hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, til
 
     def tile_of(hb, w, b, r0, r1, c0, c1):
         _, z, kept = process(hb, w, b, r0, r1, c0, c1)
-        owned, value = P.label_values(z, kept, lab[r0:r1], vocab_start + c0, ignore_index)
+        owned, value = kit.shard_label_values(z, kept, lab[r0:r1], vocab_start + c0, ignore_index)
         picked[r0:r1] = torch.where(owned, value, picked[r0:r1])
-        P.masked(z, kept)
+        kit.shard_masked(z, kept)
         if c1 - c0 < tile:
             z = torch.nn.functional.pad(z, (0, tile - (c1 - c0)), value=float("-inf"))
         return z
@@ -502,11 +502,11 @@ def sampled_hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprob
 
     def dz_of(hb, w, b, r0, r1, c0, c1):
         xr, z, kept = process(hb, w, b, r0, r1, c0, c1)
-        dz = P.grad_z(z, kept, lab[r0:r1], vocab_start + c0, lse[r0:r1],
-                      None if entropy is None else entropy[r0:r1], None if g_lp is None else g_lp[r0:r1],
-                      None if g_ent is None else g_ent[r0:r1])
-        return P.chain(dz, xr, temperature=_temperature_rows(temperature, slice(r0, r1)), softcap=softcap,
-                       logits_dtype=logits_dtype)
+        dz = kit.shard_grad_z(z, kept, lab[r0:r1], vocab_start + c0, lse[r0:r1],
+                              None if entropy is None else entropy[r0:r1], None if g_lp is None else g_lp[r0:r1],
+                              None if g_ent is None else g_ent[r0:r1])
+        return kit.shard_chain(dz, xr, temperature=_temperature_rows(temperature, slice(r0, r1)), softcap=softcap,
+                               logits_dtype=logits_dtype)
 
     return _hidden_tile_grad(hidden, weight, bias, acc=acc, tile=tile, needs_grad=needs_grad, budget=budget,
                              dz_of=dz_of)
@@ -515,8 +515,7 @@ def sampled_hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprob
 def hidden_shard_topk(hidden, weight, *, bias, vocab_start, temperature, k, decision, softcap=None, keep=None,
                       boundary=None, logits_dtype=None, budget: Optional[int] = None):
     """A weight shard's top-k (values, global ids), one tile of logits at a time: each tile's own
-    top-k, concatenated in vocabulary order, then merged (:func:`~logprob_registry.distributed.
-    processing.merge_lists`)."""
+    top-k, concatenated in vocabulary order, then merged (:func:`~logprob_registry.kit.merge_top_lists`)."""
     budget = budget or resolve_chunk_bytes(hidden.device)
     acc = result_dtype(hidden.dtype)
     lead, hdim = hidden.shape[:-1], hidden.shape[-1]
@@ -533,12 +532,12 @@ def hidden_shard_topk(hidden, weight, *, bias, vocab_start, temperature, k, deci
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             x = _tile_raw(h[r0:r1].to(acc), w, b, c1 - c0)
-            xr = P.rounded(x, logits_dtype)
-            z, y = P.processed(xr, temperature=_temperature_rows(temperature, slice(r0, r1)), softcap=softcap,
-                               acc=acc, logits_dtype=logits_dtype)
-            ranked = y if decision else P.masked(z.clone(), P.kept(
+            xr = kit.shard_rounded(x, logits_dtype)
+            z, y = kit.shard_processed(xr, temperature=_temperature_rows(temperature, slice(r0, r1)),
+                                       softcap=softcap, acc=acc, logits_dtype=logits_dtype)
+            ranked = y if decision else kit.shard_masked(z.clone(), kit.shard_kept(
                 y, vocab_start + c0, None if keep is None else keep[r0:r1, c0:c1], _part(boundary, slice(r0, r1))))
-            v, i = P.top_list(ranked, vocab_start + c0, min(k, c1 - c0))
+            v, i = kit.shard_top_list(ranked, vocab_start + c0, min(k, c1 - c0))
             vs.append(v)
             is_.append(i)
         parts_v.append(torch.cat(vs))
@@ -546,6 +545,6 @@ def hidden_shard_topk(hidden, weight, *, bias, vocab_start, temperature, k, deci
     values, ids = torch.cat(parts_v, 1), torch.cat(parts_i, 1)
     if values.shape[1] < k:
         values = torch.cat([values, values.new_full((n, k - values.shape[1]), float("-inf"))], 1)
-        ids = torch.cat([ids, ids.new_full((n, k - ids.shape[1]), P.PAD_ID)], 1)
-    values, ids = P.merge_lists(values, ids, k)
+        ids = torch.cat([ids, ids.new_full((n, k - ids.shape[1]), kit.PAD_ID)], 1)
+    values, ids = kit.merge_top_lists(values, ids, k)
     return values.view(*lead, k), ids.view(*lead, k)

@@ -39,7 +39,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from logprob_registry import config
+from logprob_registry import kit
 from logprob_registry.kit import FLOAT_DTYPES, dtype_name, result_dtype
 
 from . import _math
@@ -59,7 +59,7 @@ BACKWARD = ("bwd", "bwd_inplace")
 WANT = {"logprobs": (True, False), "entropy": (False, True), "logprobs_and_entropy": (True, True)}
 WANT_NAMES = {want: op for op, want in WANT.items()}
 
-KERNEL_CACHE = config.declare(config.Variable(
+KERNEL_CACHE = kit.declare_variable(kit.Variable(
     "LOGPROB_REGISTRY_KERNEL_CACHE", str, "",
     "folder of the compiled backend's prebuilt kernels written by `logprob-registry warmup` "
     "(default ~/.cache/logprob_registry/kernels), or off to load and build none"))
@@ -72,7 +72,7 @@ def default_folder() -> str:
 
 def folder() -> Optional[str]:
     """The package folder in force, or None when ``LOGPROB_REGISTRY_KERNEL_CACHE=off``."""
-    text = config.get(KERNEL_CACHE.name).strip()
+    text = kit.variable_value(KERNEL_CACHE.name).strip()
     if text.lower() == "off":
         return None
     return os.path.abspath(os.path.expanduser(text)) if text else default_folder()

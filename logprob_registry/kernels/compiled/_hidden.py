@@ -48,7 +48,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 import logprob_registry as lr
-from logprob_registry import reference as ref
+from logprob_registry import kit
 from logprob_registry.kit import MIN_GEMM_ROWS, label_minus_mean, on_active_rows, result_dtype, second_order_gradient
 
 from ._kernels import INDUCTOR_OPTIONS, LN2, LOG2E, RECOMPILE_LIMIT, CompileError, _notice, compile_error
@@ -119,7 +119,7 @@ def _logits(h, w, b, cap: Optional[float], logits_dtype: Optional[torch.dtype]):
     ``logits_dtype`` (if given), then softcapped (if ``cap``); and d processed / d logits (None
     without a softcap; the rounding passes the gradient straight through). With ``logits_dtype`` the
     softcap is the engine's three ops, ``z / cap``, ``tanh``, ``* cap``, each rounded to that dtype
-    (:func:`logprob_registry.reference.softcapped`), its derivative taken at the rounded ``z / cap``."""
+    (:func:`logprob_registry.truncation.softcapped`), its derivative taken at the rounded ``z / cap``."""
     z = torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
 
     def rounded(x):
@@ -496,7 +496,8 @@ class _FusedCompiled(torch.autograd.Function):
             return (None,) * 8
         if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
             def outputs():
-                out = ref.logprobs_from_hidden(hidden, weight, ctx.labels, bias=bias, dtype=c.cd, **ctx.options)
+                out = kit.reference_function("logprobs_from_hidden")(hidden, weight, ctx.labels, bias=bias,
+                                                                     dtype=c.cd, **ctx.options)
                 return out if isinstance(out, tuple) else (out,)
 
             inputs = tuple(t if n else None for t, n in zip((hidden, weight, bias), need))
@@ -542,10 +543,10 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
     lead, hdim = hidden.shape[:-1], hidden.shape[-1]
     n = lead.numel()
     if n == 0 or hdim == 0:  # nothing to compile for
-        return ref.logprobs_from_hidden(hidden, weight, labels, bias=bias, temperature=temperature,
-                                        ignore_index=ignore_index, return_entropy=return_entropy,
-                                        dtype=result_dtype(hidden.dtype), softcap=softcap,
-                                        logits_dtype=logits_dtype)
+        return kit.reference_function("logprobs_from_hidden")(
+            hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
+            return_entropy=return_entropy, dtype=result_dtype(hidden.dtype), softcap=softcap,
+            logits_dtype=logits_dtype)
     flat = hidden.reshape(n, hdim)
     y = labels.reshape(n).long()
     if not return_entropy:  # every row's entropy is an output; without it, only active rows cost

@@ -2,7 +2,8 @@
 
 :class:`~logprob_registry.testing.BackendConformance` is the sum of its sections, one mixin class
 per part of the contract (:mod:`.logits`: the ops over logits; :mod:`.hidden`: the fused
-``logprobs_from_hidden``; :mod:`.distill`: ``kl_divergence``); a new part of the contract is a new
+``logprobs_from_hidden``; :mod:`.distill`: ``kl_divergence``; :mod:`.table`: what the op table alone says
+of every public op, a new op included); a new part of the contract is a new
 section that the base class inherits. Every test declares, with :func:`covers`, which ops it exercises and which backend
 capability (``logprob_registry.backend.CAPABILITIES``) or feature (``opspec.FEATURES``) it checks.
 Two things read the declarations:
@@ -23,10 +24,14 @@ from .distill import DistillSection
 from .distributed import DistributedSection
 from .hidden import HiddenSection
 from .logits import LogitsSection
+from .peers import PeersSection
 from .semantics import SemanticsSection
+from .stats import StatsSection
+from .table import TableSection
 
 
-class Sections(LogitsSection, HiddenSection, SemanticsSection, DistillSection, DistributedSection):
+class Sections(TableSection, LogitsSection, HiddenSection, SemanticsSection, DistillSection, DistributedSection,
+               PeersSection, StatsSection):
     """Every section: the suite's tests without its fixtures (:class:`BackendConformance
     <logprob_registry.testing.BackendConformance>` adds those)."""
 

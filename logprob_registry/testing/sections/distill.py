@@ -205,6 +205,17 @@ class DistillSection:
         s, t = _pair(lp, dt, seed=20)
         _check(lp, s, t, f"{case} {dtype}", direction=direction, temperature=temperature)
 
+    @covers(OP, grad=True, features=("kl_jsd",))
+    @pytest.mark.parametrize("dtype", list(DTYPES))
+    @pytest.mark.parametrize("beta", [0.25, 0.5, 0.75])
+    def test_kl_jsd(self, lp: Harness, beta: float, dtype: str) -> None:
+        """The generalized Jensen-Shannon divergence (TRL's GKD), values and the student's gradient
+        against float64 autograd, with a temperature."""
+        dt = DTYPES[dtype]
+        lp.require(OP, dt, grad=True, features=("kl_jsd",), vocab=V)
+        s, t = _pair(lp, dt, seed=30)
+        _check(lp, s, t, f"jsd beta={beta} {dtype}", direction="jsd", beta=beta, temperature=0.8)
+
     @covers(OP, grad=True)
     def test_kl_teacher_gets_no_gradient(self, lp: Harness) -> None:
         """The teacher is a detached target: a teacher that requires grad gets none, and a call whose

@@ -7,9 +7,10 @@ One group of four processes is spawned per backend (``"spawn"``, ``file://`` ren
 temporary file, a deadline after which the processes are killed and the tests fail); inside it
 every rank alone, two pairs (one split evenly with the default ``vocab_start``, one unevenly and in
 reverse order with explicit ``vocab_start``) and the group of four run every case
-(:mod:`._distributed_cases`): logprobs, entropy, logprobs_and_entropy and logprobs_from_hidden, in
-float32 and bfloat16, plain and with temperature, ignore_index and masked (-inf) vocabulary, with
-gradients; in-place backward; a vocabulary that is no multiple of the tile. Then the bad inputs.
+(:mod:`._distributed_cases`, which runs one module per case family): logprobs, entropy,
+logprobs_and_entropy and logprobs_from_hidden, in float32 and bfloat16, plain and with
+temperature, ignore_index and masked (-inf) vocabulary, with gradients; in-place backward; a
+vocabulary that is no multiple of the tile. Then the bad inputs.
 For a backend that implements ``kl_shard_stats`` and ``kl_shard_grad``, the same groups run
 ``kl_divergence`` (forward and reverse, float32 and bfloat16, temperature 0.7 with a mask; both
 sides as hidden states with weight shards for a backend declaring ``kl_hidden``), checked by the
@@ -37,6 +38,9 @@ from logprob_registry.numerics import assert_close
 
 from ..harness import Harness
 from . import _distributed_cases as dc
+from . import _distributed_kl as dk
+from . import _distributed_logits as dl
+from . import _distributed_sampler as ds
 from ._coverage import covers
 
 SHARD_OPS = ("shard_stats", "shard_grad", "hidden_shard_stats", "hidden_shard_grad")
@@ -80,9 +84,10 @@ def _spawned(lp: Harness, kl: bool = False) -> List[dict]:
     if key not in _results:
         from ...distributed import launch
 
-        names = tuple(c.name for c in _selected(lp))
+        families = {"logits": tuple(c.name for c in _selected(lp, kl=False)),
+                    "kl": tuple(c.name for c in _selected(lp, kl=True)), "sampler": _sampler_names(lp)}
         try:
-            ranks = launch.run(dc.WORLD, dc.rank_program, lp.name, str(lp.device), names, _sampler_names(lp),
+            ranks = launch.run(dc.WORLD, dc.program, lp.name, str(lp.device), families,
                                timeout=GROUP_TIMEOUT, collective_timeout=COLLECTIVE_TIMEOUT)
             _results[key] = [r.unwrap() for r in ranks]
         except Exception as exc:
@@ -98,7 +103,12 @@ def _sampler_names(lp: Harness) -> Tuple[str, ...]:
     ``shard_sampler`` and implements the shard ops (of the dtypes it accepts)."""
     if "shard_sampler" not in lp.backend.features or not all(lp.backend.supports(op) for op in SAMPLER_SHARD_OPS):
         return ()
-    return tuple(name for name, case in dc.sampler_cases().items() if case["dtype"] in lp.backend.dtypes)
+    return tuple(name for name, case in ds.sampler_cases().items() if case["dtype"] in lp.backend.dtypes)
+
+
+def _family(kl: bool) -> str:
+    """The name of the case family (:data:`._distributed_cases.FAMILIES`) of the kl or the logits cases."""
+    return "kl" if kl else "logits"
 
 
 def _groups(kind: str) -> List[Tuple[int, ...]]:
@@ -138,7 +148,7 @@ class DistributedSection:
         if not names:
             pytest.skip(f"{lp.name} does not declare shard_sampler (or lacks shard_topk / hidden_shard_topk)")
         ranks = _spawned(lp)
-        problems = dc.sampler_problems([r["sampler"] for r in ranks], names, lp.backend.group_invariant)
+        problems = ds.sampler_problems([r["sampler"] for r in ranks], names, lp.backend.group_invariant)
         assert not problems, "\n".join(problems[:20])
 
     @covers(KL_SHARD_OPS, grad=True)
@@ -166,10 +176,11 @@ class DistributedSection:
         non-members), with no hang, and the group is in step afterwards."""
         ranks = _spawned(lp)
         problems = []
-        for name, (pattern, kind) in dc.BAD_INPUTS.items():
-            if name not in ranks[0]["errors"]:
+        errors = [r.get("logits", {}).get("errors", {}) for r in ranks]
+        for name, (pattern, kind) in dl.BAD_INPUTS.items():
+            if name not in errors[0]:
                 continue
-            got = [ranks[r]["errors"][name] for r in range(dc.WORLD)]
+            got = [errors[r][name] for r in range(dc.WORLD)]
             raising = [2, 3] if name == "not-a-member" else list(range(dc.WORLD))
             for r, (etype, message) in enumerate(got):
                 if r not in raising:
@@ -182,7 +193,7 @@ class DistributedSection:
             if name != "not-a-member" and len({m for _, m in got}) != 1:
                 problems.append(f"{name}: the ranks' messages differ: {[m for _, m in got]}")
         for r in range(dc.WORLD):
-            etype, message = ranks[r]["errors"].get("still-in-step", ("", "no error"))
+            etype, message = errors[r].get("still-in-step", ("", "no error"))
             if etype:
                 problems.append(f"a good call after the bad ones failed on rank {r}: {etype}: {message}")
         assert not problems, "\n".join(problems[:12])
@@ -191,7 +202,7 @@ class DistributedSection:
 def _check_results(lp: Harness, kl: bool) -> None:
     """The results of the cases (``kl``: the kl_divergence ones, else the others): the same bits on
     every rank of a group, within the contract of the float64 reference and of the unsharded call."""
-    ranks = _spawned(lp, kl)
+    ranks = [r[_family(kl)] for r in _spawned(lp, kl)]
     problems = []
     for case in _selected(lp, kl):
         data = dc.inputs(case)
@@ -225,7 +236,7 @@ def _check_bitwise(lp: Harness, kl: bool) -> None:
     if not lp.backend.group_invariant:
         pytest.skip(f"{lp.name} does not declare group_invariant=True, so results independent of the "
                     "group size are not promised")
-    ranks = _spawned(lp, kl)
+    ranks = [r[_family(kl)] for r in _spawned(lp, kl)]
     problems = []
     for case in _selected(lp, kl):
         if not case.aligned:
@@ -249,7 +260,7 @@ def _check_bitwise(lp: Harness, kl: bool) -> None:
 def _check_gradients(lp: Harness, kl: bool) -> None:
     """Shard gradients within the contract's tolerance of float64 autograd, sliced; the complete
     hidden gradient the same on every rank of a group; in-place backward; no teacher gradient."""
-    ranks = _spawned(lp, kl)
+    ranks = [r[_family(kl)] for r in _spawned(lp, kl)]
     problems = []
     for case in _selected(lp, kl):
         for kind in dc.KINDS:
@@ -278,13 +289,13 @@ def _unsharded(lp: Harness, case: dc.Case, data):
     if not lp.backend.supports(case.op) or not all(f in lp.backend.features for f in case.features):
         return None
     if case.kl:
-        kw = {k: (v.to(lp.device) if isinstance(v, torch.Tensor) else v) for k, v in dc.kl_options(case, data).items()}
+        kw = {k: (v.to(lp.device) if isinstance(v, torch.Tensor) else v) for k, v in dk.kl_options(case, data).items()}
         with torch.no_grad():
             if case.hidden:
                 return lp.call(case.op, data["hidden"].to(lp.device), data["teacher_hidden"].to(lp.device),
                                student_weight=data["weight"].to(lp.device), **kw)
             return lp.call(case.op, data["logits"].to(lp.device), data["teacher"].to(lp.device), **kw)
-    kw = dc.options(case)
+    kw = dl.options(case)
     kw.pop("inplace_backward", None)
     with torch.no_grad():
         if case.op == "logprobs_from_hidden":

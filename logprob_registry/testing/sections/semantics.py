@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from logprob_registry import reference as ref
+from logprob_registry import truncation
 from logprob_registry.numerics import EPS32, assert_close, tolerances
 
 from ..harness import LABEL_OPS, LOGITS_OPS, Harness
@@ -250,7 +251,7 @@ class SemanticsSection:
         keep = _keep(lp, form)
         y = _labels(lp, x)
         got = _compare(lp, op, x, y, f"keep ({form})", keep=keep, temperature=TEMPERATURE)
-        mask = ref.keep_mask(keep, V)
+        mask = truncation.keep_mask(keep, V)
         for a, b in zip(got, lp.call(op, x, y, keep=mask, temperature=TEMPERATURE)):
             assert torch.equal(a, b), f"{op}: keep as ids and as the same mask differ"
 
@@ -470,8 +471,9 @@ class SemanticsSection:
         y = _labels(lp, x)
         kw = dict(temperature=0.8, top_k=20, top_p=0.93, min_p=0.1)
         _compare(lp, op, x, y, f"sampler={order!r}", sampler=order, **kw)
-        vllm = ref.kept_tokens(x.cpu(), **kw)
-        assert not torch.equal(vllm, ref.kept_tokens(x.cpu(), sampler=order, **kw)), "the case does not separate orders"
+        vllm = truncation.kept_tokens(x.cpu(), **kw)
+        other = truncation.kept_tokens(x.cpu(), sampler=order, **kw)
+        assert not torch.equal(vllm, other), "the case does not separate orders"
 
     # ------------------------------------------------------------ no keyword, no change
     @covers(LOGITS_OPS + (HIDDEN,))

@@ -1,14 +1,17 @@
 """The sampler's processing of one block of a vocabulary shard, for the backends' shard ops
 (``shard_stats``, ``shard_grad``, ``shard_topk`` and their ``hidden_`` twins, feature
-``shard_sampler``).
+``shard_sampler``) and for the ``process_group=`` core (:mod:`logprob_registry.distributed`),
+which merges the shards' top-k lists (:func:`merge_lists`) and min_p's thresholds. Backends reach
+it through :mod:`logprob_registry.kit` (``kit.shard_processed``, ``kit.shard_kept``, ...), as a
+third-party plugin would; the names of this module are not stable API.
 
 Everything here is elementwise on the block's columns (or on one row's own numbers, which the
 core decided the same way on every rank), so a block's results do not depend on where the shard
-boundaries lie: with tiles of :data:`~.tiles.TILE` columns, every rank's results stay bitwise
-independent of the group size.
+boundaries lie: with tiles of :data:`~logprob_registry.distributed.tiles.TILE` columns, every
+rank's results stay bitwise independent of the group size.
 
 - :func:`processed`: ``z`` (the compute dtype) and ``y`` (the float32 logits the truncation
-  decision reads) of raw logits, as :func:`logprob_registry.reference.processed_logits` computes
+  decision reads) of raw logits, as :func:`logprob_registry.truncation.processed_logits` computes
   them (the softcap in float64, or as an engine's three rounded ops with ``logits_dtype``);
 - :func:`kept`: the tokens of the block that the sampler keeps: ``keep`` (this shard's columns of
   the mask) and the boundary ``(t, j)`` the core merged from every shard's top-k (with
@@ -16,7 +19,8 @@ independent of the group size.
 - :func:`label_values`: ``z`` at each label the block owns: ``-inf`` where it is not kept;
 - :func:`grad_z` / :func:`chain`: the gradient with respect to ``z`` over the kept tokens, then
   back through the temperature, the softcap (its derivative ``1 - tanh(u)**2``, taken in float64
-  as the reference's autograd takes it) and ``logits_dtype``'s rounding (straight through).
+  as the reference's autograd takes it) and ``logits_dtype``'s rounding (straight through);
+- :func:`top_list` / :func:`merge_lists`: a block's top-k list, and the merge of such lists.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import reference as ref
+from . import truncation
 
 NEG_INF = float("-inf")
 #: The id of a padding entry of a shard's top-k list (a shard narrower than k): after every real id.
@@ -42,7 +46,7 @@ def processed(x: torch.Tensor, *, temperature, softcap: Optional[float], acc: to
     """``(z, y)`` of raw logits ``x`` (rows, columns), already rounded to ``logits_dtype`` when it
     is given: ``z = softcap(x) / T`` in ``acc`` and ``y`` the same in float32 (``z`` itself when
     ``acc`` is float32). ``temperature``: a number, or per row (rows,)."""
-    s = x if softcap is None else ref.softcapped(x, softcap, logits_dtype)
+    s = x if softcap is None else truncation.softcapped(x, softcap, logits_dtype)
     z = _divide(s.to(acc), temperature)
     y = z if acc == torch.float32 else _divide(s.to(torch.float32), temperature)
     return z, y
@@ -78,7 +82,7 @@ def kept(y: torch.Tensor, first_id: int, keep: Optional[torch.Tensor],
 
 
 def _kept_from_boundary(y, boundary, keep, first_id, lower=None):
-    """:func:`logprob_registry.reference.kept_from_boundary`, the same set, with the id comparison
+    """:func:`logprob_registry.truncation.kept_from_boundary`, the same set, with the id comparison
     only where a value equals the row's boundary value (rare) and the NaN test only where there is
     one: a few elementwise passes over the block instead of eight."""
     if boundary is None:
@@ -175,7 +179,8 @@ def chain(grad: torch.Tensor, x: torch.Tensor, *, temperature, softcap: Optional
     if logits_dtype is None:
         u = xd / softcap
     else:
-        u = ref.engine_round(xd.clamp(-ref._F32_MAX, ref._F32_MAX) / ref.float32_value(softcap), logits_dtype)
+        cap = truncation.float32_value(softcap)
+        u = truncation.engine_round(xd.clamp(-truncation.F32_MAX, truncation.F32_MAX) / cap, logits_dtype)
     slope = 1.0 - torch.tanh(u) ** 2
     out = (grad.double() * slope).to(grad.dtype)
     return out.masked_fill_(torch.isneginf(x), 0.0)
@@ -183,11 +188,11 @@ def chain(grad: torch.Tensor, x: torch.Tensor, *, temperature, softcap: Optional
 
 def top_list(values: torch.Tensor, first_id: int, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """A block's ``k`` largest ``values`` (rows, columns) and their global ids, largest first, ties
-    by smaller id (:func:`logprob_registry.reference.topk_ids`); a block narrower than ``k`` is
+    by smaller id (:func:`logprob_registry.truncation.topk_ids`); a block narrower than ``k`` is
     padded with ``-inf`` at :data:`PAD_ID` (after every real id)."""
     rows, width = values.shape
     take = min(k, width)
-    ids = ref.topk_ids(values, take) if take else values.new_zeros((rows, 0), dtype=torch.int64)
+    ids = truncation.topk_ids(values, take) if take else values.new_zeros((rows, 0), dtype=torch.int64)
     top = values.gather(1, ids)
     ids = ids + first_id
     if take < k:
@@ -199,7 +204,7 @@ def top_list(values: torch.Tensor, first_id: int, k: int) -> Tuple[torch.Tensor,
 def merge_lists(values: torch.Tensor, ids: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest of lists ``values``/``ids`` (rows, L) concatenated in vocabulary order
     (each list sorted by value, ties by id): largest first, ties by smaller id. Among equal values
-    the position order is the id order, so :func:`~logprob_registry.reference.topk_ids`' tie rule
+    the position order is the id order, so :func:`~logprob_registry.truncation.topk_ids`' tie rule
     (smaller position) is the id rule: the same answer whatever the lists' number or lengths."""
-    pos = ref.topk_ids(values, k)
+    pos = truncation.topk_ids(values, k)
     return values.gather(1, pos), ids.gather(1, pos)
