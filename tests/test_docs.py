@@ -185,6 +185,51 @@ def test_every_capability_flag_is_in_the_readme():
     assert not missing, f"README.md's plugin section does not name the capability flags {missing}"
 
 
+PACKAGE = ROOT / "logprob_registry"
+
+
+def _architecture_tree() -> set:
+    """The modules docs/architecture.md's module tree names under ``logprob_registry/``, by their path
+    in the package (``distributed/sharded.py``, ``kernels/chunked/__init__.py``): a name at the
+    start of a tree line (indented two spaces a level, before the description column), a
+    folder ending in ``/``."""
+    text = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    block = text.split("\n## Modules", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    found, folders = set(), []
+    for line in block.splitlines():
+        match = re.match(r"^( *)([A-Za-z_][\w.]*/|[A-Za-z_]\w*\.py)(?:\s|$)", line)
+        if not match or len(match.group(1)) >= 24:  # a description's continuation line
+            continue
+        depth = len(match.group(1)) // 2
+        del folders[depth:]
+        if match.group(2).endswith("/"):
+            folders.append(match.group(2))
+        else:
+            found.add("".join(folders) + match.group(2))
+    prefix = "logprob_registry/"
+    return {path[len(prefix):] for path in found if path.startswith(prefix)}
+
+
+def _modules() -> set:
+    return {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")}
+
+
+def test_the_module_tree_sees_modules():
+    """Guards the parser: the tree is read, nested folders included."""
+    tree = _architecture_tree()
+    assert {"__init__.py", "ops.py", "registry/__init__.py", "kernels/chunked/__init__.py"} <= tree
+
+
+def test_every_module_is_in_the_architecture_tree():
+    """Every module of the package, each subpackage's __init__.py included, has its line in
+    docs/architecture.md's module tree (a new module without one fails), and the tree names no
+    module that is gone."""
+    tree, modules = _architecture_tree(), _modules()
+    missing, gone = sorted(modules - tree), sorted(tree - modules)
+    assert not missing, f"docs/architecture.md's module tree does not list {missing}: add a line each"
+    assert not gone, f"docs/architecture.md's module tree lists modules that do not exist: {gone}"
+
+
 def test_every_backend_field_is_in_the_plugin_docs():
     import dataclasses
 

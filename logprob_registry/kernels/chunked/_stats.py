@@ -132,7 +132,10 @@ def _plain_forward(logits, plan: loops.Plan, index, valid, want: FrozenSet[str])
             if plabel is not None:
                 torch.gather(p[: end - start], 1, index2[sl], out=plabel2[sl])
             loops._reduce_into(torch.amax, y, m[sl])
-            if top is not None:  # rows whose label is at the maximum: is any column before it there too?
+            if top is not None and kit.capturing(m):  # no row count on the host: every row
+                before = _before_max(y[: end - start].clone(), index[sl])
+                top[sl] = first_max(picked[sl], m[sl], before, index[sl])
+            elif top is not None:  # rows whose label is at the maximum: is any column before it there too?
                 cand = (picked[sl] == m[sl]) | torch.isnan(m[sl])
                 at = cand.nonzero().squeeze(-1)
                 before = _before_max(y[at], index[sl][at])
@@ -311,7 +314,8 @@ def _sampler_plan(shape, dtype, device, budget, fixed_shape, labels_given, want,
         top_k=sampler.get("top_k"), top_p=sampler.get("top_p"), min_p=sampler.get("min_p"), keep=sampler.get("keep"),
         fixed_shape=fixed_shape, sampler=sampler.get("sampler"))
     # without truncation the raw fields are the processed ones
-    plan.want_logprobs = labels_given and bool(want & ({"logprobs"} if plan.truncates else {"logprobs", "raw_logprobs"}))
+    label_fields = {"logprobs"} if plan.truncates else {"logprobs", "raw_logprobs"}
+    plan.want_logprobs = labels_given and bool(want & label_fields)
     plan.want_entropy = bool(want & ({"entropy"} if plan.truncates else {"entropy", "raw_entropy"}))
     return plan
 
@@ -447,7 +451,15 @@ class _HiddenExtras:
             idx = self.lab.index[r0:r1]
             after = idx >= v0 + z.shape[1]  # every column so far is before the label: their max is m_new
             self.before[r0:r1] = torch.where(after, m_new, self.before[r0:r1])
-            at = ((idx >= v0) & ~after).nonzero().squeeze(-1)
+            inside = (idx >= v0) & ~after
+            if kit.capturing(z):  # no row count on the host: every row of the tile
+                local = (idx - v0).clamp(0, z.shape[1] - 1)
+                got = z.gather(1, local.unsqueeze(-1)).squeeze(-1)
+                self.picked[r0:r1] = torch.where(inside, got, self.picked[r0:r1])
+                self.before[r0:r1] = torch.where(inside, torch.maximum(m_old, _before_max(z.clone(), local)),
+                                                 self.before[r0:r1])
+                return
+            at = inside.nonzero().squeeze(-1)
             if at.numel():  # the label's tile: the columns seen before it, and those of this tile before it
                 local = idx[at] - v0
                 rows = z[at]
@@ -545,7 +557,8 @@ class _FusedSamplerStats(torch.autograd.Function):
                                               hidden.shape[0], weight.shape[0], plan, index, valid, want,
                                               hidden.device)
         ctx.save_for_backward(hidden, weight, bias)
-        ctx.plan, ctx.stats, ctx.raw_stats, ctx.index, ctx.valid, ctx.tiles = plan, stats, raw_stats, index, valid, tiles
+        ctx.plan, ctx.stats, ctx.raw_stats, ctx.tiles = plan, stats, raw_stats, tiles
+        ctx.index, ctx.valid = index, valid
         ctx.set_materialize_grads(False)
         outs = _pack(out)
         _mark(ctx, outs)
@@ -647,6 +660,7 @@ def token_stats(inputs, labels, *, weight, bias, outputs, temperature, ignore_in
                                                     temperature=temperature, ignore_index=ignore_index,
                                                     dtype=result_dtype(inputs.dtype), **sampler)
         return lr.TokenStats(**{k: v for k, v in got.items() if k in want})
+
     def run(x, y, t, kw):
         if hidden:
             flat = x.reshape(-1, x.shape[-1])

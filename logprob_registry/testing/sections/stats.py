@@ -118,7 +118,8 @@ def _check_fields(got: lr.TokenStats, want: Dict[str, torch.Tensor], tols: Dict[
             continue
         out = spec.result(name)
         assert value is not None, f"{what}: {name} was asked for and is None"
-        assert value.dtype == out.dtype_for(x.dtype), f"{what}: {name} is {value.dtype}, expected {out.dtype_for(x.dtype)}"
+        expected = out.dtype_for(x.dtype)
+        assert value.dtype == expected, f"{what}: {name} is {value.dtype}, expected {expected}"
         assert value.device.type == x.device.type, f"{what}: {name} is on {value.device}"
         if out.judged_as:
             assert_close(value, want[name], tols[name], f"{what}: {name}")
