@@ -184,7 +184,8 @@ def _summary(reason: str) -> str:
         return reason.split(" does not declare feature ")[0] + " takes none of the optional features " \
             "(sampler keywords, candidates, per-row values, functorch)"
     if reason.endswith("declares copies_logits=True"):
-        return reason + " (the no-copy memory bound is not held: --declare copies_logits=false holds it)"
+        return reason.split(" declares ")[0] + " is not held to the no-copy memory bound " \
+            "(--declare copies_logits=false holds it)"
     return reason
 
 
