@@ -2,8 +2,10 @@
 device, dtype and torch version at hand. See README.md and docs/."""
 
 from . import call as _call
-from . import nn  # noqa: F401 - lr.nn.LogprobHead; not in __all__: a star import must not shadow torch.nn
-from . import integrations  # noqa: F401 - lr.integrations.installed(); each trainer's module imports it lazily
+from . import (
+    integrations,  # noqa: F401 - lr.integrations.installed(); each trainer's module imports it lazily
+    nn,  # noqa: F401 - lr.nn.LogprobHead; not in __all__: a star import must not shadow torch.nn
+)
 from .backend import Backend
 from .hookspecs import hookimpl
 from .layouts import next_token_labels

@@ -658,7 +658,8 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
                  Output("max_logit", shape="positions", differentiable=False),
                  Output("is_argmax", dtype="bool", differentiable=False, judged_as="")),
         selected_by="outputs", returns=TokenStats,
-        doc="every statistic of a position in one pass (TokenStats, the fields not asked None): inputs logits (..., V), "
+        doc="every statistic of a position in one pass (TokenStats, the fields not asked None): inputs logits (..., V),"
+            " "
             "or hidden states (..., H) with weight (V, H) (and bias); labels (...) or None (needed by logprobs, "
             "raw_logprobs and is_argmax; ignore_index positions give 0 / False there)",
         dtype_input="inputs", grad_inputs=("inputs", "weight", "bias"),

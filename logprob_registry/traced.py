@@ -108,7 +108,8 @@ def _call(spec: str, tensors: List[Optional[torch.Tensor]], ints: Sequence[int],
           floats: Sequence[float]) -> List[torch.Tensor]:
     op, backend, inputs, options = _decode(spec, tensors, ints, floats)
     with torch.no_grad():  # the gradient comes from call_backward
-        return [o.clone() if _aliases(o, tensors) else o for o in _outputs(op, _public(op, backend, inputs, options), options)]
+        outs = _outputs(op, _public(op, backend, inputs, options), options)
+        return [o.clone() if _aliases(o, tensors) else o for o in outs]
 
 
 def _aliases(out: torch.Tensor, tensors: Sequence[Optional[torch.Tensor]]) -> bool:

@@ -297,7 +297,8 @@ def check_logit_scale(scale: object) -> Optional[float]:
 def check_direction(direction: object) -> str:
     if direction not in ("forward", "reverse", "jsd"):
         raise ValueError(f'direction must be "forward" (KL(teacher || student)), "reverse" (KL(student || '
-                         f'teacher)) or "jsd" (the generalized Jensen-Shannon divergence, with beta), got {direction!r}')
+                         f'teacher)) or "jsd" (the generalized Jensen-Shannon divergence, with beta), got '
+                         f'{direction!r}')
     return direction  # type: ignore[return-value]
 
 

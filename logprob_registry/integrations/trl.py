@@ -56,7 +56,7 @@ def _functions(backend: Optional[str]) -> dict:
         return _masked(logp, row_mask), _masked(entropy, row_mask)
 
     for f in (selective_log_softmax, entropy_from_logits, selective_log_softmax_and_entropy):
-        f.__doc__ = f"logprob_registry's replacement of trl.trainer.utils.{f.__name__} (logprob_registry.integrations.trl)"
+        f.__doc__ = f"logprob_registry's replacement of trl.trainer.utils.{f.__name__} (integrations.trl)"
     return {f.__name__: f for f in (selective_log_softmax, entropy_from_logits, selective_log_softmax_and_entropy)}
 
 
