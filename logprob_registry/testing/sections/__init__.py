@@ -4,8 +4,9 @@
 per part of the contract (:mod:`.logits`: the ops over logits; :mod:`.hidden`: the fused
 ``logprobs_from_hidden``; :mod:`.distill`: ``kl_divergence``; :mod:`.table`: what the op table alone says
 of every public op, a new op included; :mod:`.peers`: the peers' known failures, each naming its issue);
-a new part of the contract is a new section that the base class inherits. Every test declares, with :func:`covers`, which ops it exercises and which backend
-capability (``logprob_registry.backend.CAPABILITIES``) or feature (``opspec.FEATURES``) it checks.
+a new part of the contract is a new section that the base class inherits. Every test declares, with
+:func:`covers`, which ops it exercises and which backend capability
+(``logprob_registry.backend.CAPABILITIES``) or feature (``opspec.FEATURES``) it checks.
 Two things read the declarations:
 
 - :func:`logprob_registry.testing.suite.not_declared`: whether a test checks something a backend
