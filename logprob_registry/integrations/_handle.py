@@ -18,22 +18,27 @@ class Handle:
 
     def __init__(self, name: str, patches: Sequence[Tuple[Any, str, Any]], backend: Optional[str]) -> None:
         self.name, self.backend = name, backend
-        self._originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+        # (owner, attribute, original, whether the owner itself held it: else it came from its class)
+        self._originals = [(owner, attr, getattr(owner, attr), attr in getattr(owner, "__dict__", {attr: None}))
+                           for owner, attr, _ in patches]
         for owner, attr, replacement in patches:
             setattr(owner, attr, replacement)
 
     @property
     def replaced(self) -> List[str]:
         """``module.attribute`` of every replaced attribute."""
-        return [f"{getattr(owner, '__name__', owner)}.{attr}" for owner, attr, _ in self._originals]
+        return [f"{getattr(owner, '__name__', type(owner).__name__)}.{attr}" for owner, attr, _, _ in self._originals]
 
     def uninstall(self) -> None:
         """Put every original back (harmless when already uninstalled)."""
         with _lock:
             if _installed.get(self.name) is not self:
                 return
-            for owner, attr, original in reversed(self._originals):
-                setattr(owner, attr, original)
+            for owner, attr, original, own in reversed(self._originals):
+                if own:
+                    setattr(owner, attr, original)
+                else:  # it came from the class (a model's forward): the instance attribute goes
+                    delattr(owner, attr)
             del _installed[self.name]
 
     def __enter__(self) -> "Handle":
