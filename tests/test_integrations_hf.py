@@ -5,8 +5,7 @@ uninstall() gives the model back its class's forward."""
 
 import pytest
 import torch
-from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, LlamaConfig,
-                          LlamaForCausalLM)
+from transformers import CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import logprob_registry as lr
 from logprob_registry.integrations import hf, installed
