@@ -330,3 +330,24 @@ def test_broken_compiler_at_run_time_falls_back_with_one_warning(tmp_path):
     count, message = done.stdout.strip().splitlines()[-2:]
     assert count == "1"
     assert "backend 'compiled' failed" in message and "using 'chunked' instead" in message
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_backward_skips_rows_with_a_zero_upstream_gradient(inplace):
+    """Ignored labels and zero upstream gradients (GRPO's prompt rows): exact zeros there, and every
+    other row's gradient bitwise that of a call on those rows alone (the kernel is per row)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(48, 700, generator=g) * 3
+    y = torch.randint(0, 700, (48,), generator=g)
+    y[::3] = -100
+    up = torch.randn(48, generator=g)
+    up[1::4] = 0
+    leaf = x.clone().requires_grad_(True)
+    lp, ent = lr.logprobs_and_entropy(leaf * 1, y, ignore_index=-100, inplace_backward=inplace, backend="compiled")
+    (lp.sum() + (ent * up).sum()).backward()
+    active = (y != -100) | (up != 0)
+    assert bool((leaf.grad[~active] == 0).all()) and int((~active).sum()) > 0
+    sub = x[active].clone().requires_grad_(True)
+    lp, ent = lr.logprobs_and_entropy(sub, y[active], ignore_index=-100, backend="compiled")
+    (lp.sum() + (ent * up[active]).sum()).backward()
+    assert torch.equal(leaf.grad[active], sub.grad)

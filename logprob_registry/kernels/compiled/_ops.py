@@ -3,6 +3,7 @@ whose backward runs the compiled gradient kernel (or, should it fail late, the s
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import warnings
@@ -215,6 +216,32 @@ def _grad(rows: torch.Tensor, want: tuple, args: tuple, inplace: bool) -> Option
     return out
 
 
+def _on_active_rows(rows: torch.Tensor, want: tuple, args: tuple, inplace: bool) -> Optional[torch.Tensor]:
+    """The gradient computed on the rows whose upstream gradients are not all zero (ignored labels,
+    GRPO's prompt rows), the others exact zeros without reading their logits: None when every row
+    is active (or the rows are not one plane). The kernel is per row, so an active row's gradient is
+    bitwise the one of the call over every row. In place: written over ``rows`` (and None returned
+    as the whole)."""
+    if rows.dim() != 2:
+        return None
+    n = rows.shape[0]
+    ups = [a for a in args[4:6] if isinstance(a, torch.Tensor)]  # g_lp, g_ent
+    active = functools.reduce(torch.logical_or, [u.reshape(n) != 0 for u in ups])
+    if kit.capturing(active) or bool(active.all()):
+        return None
+    index = active.nonzero().flatten()
+    sub = tuple(a.reshape(n, *a.shape[1:])[index] if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == n
+                else a for a in args)
+    grad = rows.new_zeros(rows.shape) if not inplace else None
+    part = _grad(rows.index_select(0, index), want, sub, inplace=False) if index.numel() else None
+    target = rows if inplace else grad
+    if inplace:
+        target.masked_fill_(~active.unsqueeze(-1), 0.0)
+    if part is not None:
+        target.index_copy_(0, index, part)
+    return rows if inplace else grad
+
+
 def _reference_outputs(logits, idx, ignored, inv_t, want_logp, want_entropy, cap) -> tuple:
     """The op's outputs by the reference formulas in the result dtype, differentiable (for a
     double backward): ``idx`` and ``ignored`` as the forward made them; ``cap``, the softcap."""
@@ -252,6 +279,10 @@ class _LogSoftmaxOps(torch.autograd.Function):
         rows = _rows(logits)
         want = (want_logp, want_entropy)
         args = _grad_args(want, idx, ignored, m, log_s, h, g_lp, g_ent, inv_t, cap)
+        skipped = _on_active_rows(rows, want, args, inplace)
+        if skipped is not None:
+            grad = logits.detach() if inplace else skipped.view(logits.shape)
+            return grad, None, None, None, None, None, None, None
         if inplace:
             for index, plane in _planes(rows):
                 _grad(plane, want, _take(args, index), inplace=True)
