@@ -251,3 +251,41 @@ def test_bench_outputs_option():
         settings(Options(ops=["token_stats"], shape=(1, 8, 300), outputs=["nope"]), "cpu")
     with pytest.raises(BenchError, match="--outputs only applies to ops whose outputs are chosen"):
         settings(Options(ops=["logprobs"], shape=(1, 8, 300), outputs=["entropy"]), "cpu")
+
+
+# ------------------------------------------------------------------------------------ memory
+def _extra(fn, retained=False):
+    from logprob_registry.benchmark.memory import MemoryMeasurementUnavailable, peak_extra_bytes
+
+    try:
+        fn()  # warm-up
+        return min(peak_extra_bytes(fn, torch.device("cpu"), retained=retained)[1] for _ in range(2))
+    except MemoryMeasurementUnavailable as exc:
+        pytest.skip(f"cannot measure memory here: {exc}")
+
+
+@pytest.mark.parametrize("options", [{}, dict(top_k=20, softcap=10.0)])
+def test_chunked_keeps_and_forms_no_logits_sized_tensor(options):
+    """chunked's token_stats keeps a few numbers per row for backward (logits), and forms no (N, V)
+    tensor in forward or backward (hidden states): the memory grows far less than the logits."""
+    v, h = 4096, 64
+    sizes, retained, peaks = (256, 2048), [], []
+    weight = torch.randn(v, h, generator=torch.Generator().manual_seed(2)) * 0.2
+    for n in sizes:
+        x = (torch.randn(n, v, generator=torch.Generator().manual_seed(n)) * 3).requires_grad_(True)
+        y = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(n + 1))
+        hidden = torch.randn(n, h, generator=torch.Generator().manual_seed(n + 2)).requires_grad_(True)
+
+        def forward():
+            return lr.token_stats(x, y, outputs=FIELDS, backend="chunked", **options)
+
+        def fused_step():
+            out = lr.token_stats(hidden, y, weight=weight, outputs=FIELDS, backend="chunked", **options)
+            (out.logprobs.sum() + out.entropy.sum() + out.raw_entropy.sum()).backward()
+            hidden.grad = None
+
+        retained.append(_extra(forward, retained=True))
+        peaks.append(_extra(fused_step))
+    logits_growth = (sizes[1] - sizes[0]) * v * 4
+    assert retained[1] - retained[0] < 0.1 * logits_growth, (retained, logits_growth)
+    assert peaks[1] - peaks[0] < 0.25 * logits_growth, (peaks, logits_growth)
