@@ -653,7 +653,7 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
                  _TEMPERATURE_ROWS, _IGNORE_INDEX) + _SAMPLER,
         outputs=(_LOGPROBS, _ENTROPY_OUT, Output("raw_logprobs"),
                  Output("raw_entropy", shape="positions", judged_as="entropy"),
-                 Output("log_sum_p2", shape="positions"),
+                 Output("log_sum_p2", shape="positions", differentiable=False),
                  Output("mean_logit", shape="positions", differentiable=False),
                  Output("max_logit", shape="positions", differentiable=False),
                  Output("is_argmax", dtype="bool", differentiable=False, judged_as="")),

@@ -242,9 +242,9 @@ def token_stats(
             out["raw_logprobs"] = _gather(raw, labels, ignore_index)
         if "raw_entropy" in want:
             out["raw_entropy"] = _entropy(z, raw)
-    if "log_sum_p2" in want:
-        out["log_sum_p2"] = torch.logsumexp(2 * d.full(), -1)
     with torch.no_grad():
+        if "log_sum_p2" in want:
+            out["log_sum_p2"] = torch.logsumexp(2 * d.full(), -1)
         if "mean_logit" in want:
             out["mean_logit"] = z.mean(-1)
         if "max_logit" in want:

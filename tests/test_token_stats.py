@@ -265,10 +265,11 @@ def _extra(fn, retained=False):
 
 
 @pytest.mark.parametrize("options", [{}, dict(top_k=20, softcap=10.0)])
-def test_chunked_keeps_and_forms_no_logits_sized_tensor(options):
+def test_chunked_keeps_and_forms_no_logits_sized_tensor(options, monkeypatch):
     """chunked's token_stats keeps a few numbers per row for backward (logits), and forms no (N, V)
     tensor in forward or backward (hidden states): the memory grows far less than the logits."""
-    v, h = 4096, 64
+    monkeypatch.setenv(chunked_hidden.CHUNK_BYTES_ENV, str(128 * 128 * 4))  # tiles of 128 rows at both sizes
+    v, h = 2048, 64
     sizes, retained, peaks = (256, 2048), [], []
     weight = torch.randn(v, h, generator=torch.Generator().manual_seed(2)) * 0.2
     for n in sizes:
@@ -276,10 +277,10 @@ def test_chunked_keeps_and_forms_no_logits_sized_tensor(options):
         y = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(n + 1))
         hidden = torch.randn(n, h, generator=torch.Generator().manual_seed(n + 2)).requires_grad_(True)
 
-        def forward():
+        def forward(x=x, y=y):
             return lr.token_stats(x, y, outputs=FIELDS, backend="chunked", **options)
 
-        def fused_step():
+        def fused_step(hidden=hidden, y=y):
             out = lr.token_stats(hidden, y, weight=weight, outputs=FIELDS, backend="chunked", **options)
             (out.logprobs.sum() + out.entropy.sum() + out.raw_entropy.sum()).backward()
             hidden.grad = None
