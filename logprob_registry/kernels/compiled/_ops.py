@@ -220,9 +220,9 @@ def _on_active_rows(rows: torch.Tensor, want: tuple, args: tuple, inplace: bool)
     """The gradient computed on the rows whose upstream gradients are not all zero (ignored labels,
     GRPO's prompt rows), the others exact zeros without reading their logits: None when every row
     is active (or the rows are not one plane). The kernel is per row, so an active row's gradient is
-    bitwise the one of the call over every row. In place: written over ``rows`` (and None returned
-    as the whole)."""
-    if rows.dim() != 2:
+    bitwise the one of the call over every row. In place: written over ``rows`` (and ``rows``
+    returned). Contiguous rows only: a strided call keeps the kernel its layout warmed."""
+    if rows.dim() != 2 or not rows.is_contiguous():
         return None
     n = rows.shape[0]
     ups = [a for a in args[4:6] if isinstance(a, torch.Tensor)]  # g_lp, g_ent
