@@ -190,17 +190,9 @@ class _PlainStats(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grads):
         (logits,) = ctx.saved_tensors
-        g = dict(zip(FIELDS, grads))
-        g_lp = _sum_grads(g["logprobs"], g["raw_logprobs"])
-        g_ent = _sum_grads(g["entropy"], g["raw_entropy"])
+        g_lp, g_ent, _, _ = _grads_of(grads, ctx.index, ctx.valid, truncates=False)  # raw = processed here
         if g_lp is None and g_ent is None:
             return (None,) * 5
-        if g_lp is not None:
-            g_lp = g_lp.reshape(-1)
-            if ctx.valid is not None:
-                g_lp = g_lp.masked_fill(~ctx.valid, 0.0)
-        if g_ent is not None:
-            g_ent = g_ent.reshape(-1)
         out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         loops.backward(logits, ctx.plan, ctx.stats, ctx.index, g_lp, g_ent, out, inplace=False)
         return out, None, None, None, None
