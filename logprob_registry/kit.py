@@ -25,7 +25,8 @@ Triton, never a compiler).
 - a frozen lm_head: :func:`label_minus_mean` (the hidden gradient from an accumulated ``softmax @ W``);
 - CUDA graphs: :func:`capturing` (no host reads of device values while a graph is captured);
 - the tile protocol of the shard ops (``shard_stats``, ``shard_grad``, ...): :data:`TILE`,
-  :func:`n_tiles`, :func:`tiled`, :func:`tile_stats_`, :func:`tree_sum`, :func:`tree_sum_`,
+  :func:`grid` (:class:`Slot`), :func:`grid_offset`, :func:`exact_sum`, :func:`n_tiles`,
+  :func:`tiled`, :func:`tile_stats_`, :func:`tree_sum`, :func:`tree_sum_`,
   :func:`label_columns`, :func:`next_power_of_two`; the sampler's processing of a shard's block:
   :func:`shard_processed`, :func:`shard_rounded`, :func:`shard_kept`, :func:`shard_masked`,
   :func:`shard_label_values`, :func:`shard_grad_z`, :func:`shard_chain`, :func:`shard_top_list`,
@@ -47,6 +48,10 @@ from .config import get as variable_value
 from .distributed.tiles import (
     NEG_INF,
     TILE,
+    Slot,
+    exact_sum,
+    grid,
+    grid_offset,
     label_columns,
     n_tiles,
     next_power_of_two,
@@ -120,6 +125,10 @@ __all__ = [
     "shard_top_list",
     "tile_stats_",
     "tiled",
+    "Slot",
+    "exact_sum",
+    "grid",
+    "grid_offset",
     "topk_ids",
     "tree_sum",
     "tree_sum_",

@@ -514,14 +514,23 @@ _LABELS = ("labels (...) int32/int64 give (...); labels (..., K) give the K cand
 _VOCAB_START = Option("vocab_start", 0, "int: global id of the shard's first column (labels are global ids)")
 _TILE = Option("tile", 4096, "int: columns per tile; tiles start at the shard's first column, the last "
                              "one may be shorter")
+_GRID_TILE = Option("tile", 4096, "int: columns per tile of the global grid: tiles start at global multiples of "
+                    "tile, so a shard's first tile holds its first tile - vocab_start % tile columns (or all of "
+                    "them) and its last may be shorter (n_tiles = ceil((vocab_start % tile + V_local) / tile))")
+_REFERENCE = Option("reference", None, "(...) float or None: measure every tile against max(tile_max, reference) "
+                    "(the core's recompute of a piece of a grid tile two shards share, against the whole tile's "
+                    "max; tile_max is then that)")
 _ENTROPY = Option("with_entropy", False, "bool: also return tile_elog (for the entropy)")
 _STATS = ("tile_max", "tile_sumexp", "tile_elog", "label_logits")
-_STATS_DOC = ("per row and tile of z = logits / temperature (in float32, float64 for float64 input): "
+_STATS_DOC = ("per row and grid tile of z = logits / temperature (in float32, float64 for float64 input): "
               "tile_max = max z, tile_sumexp = sum e, tile_elog = sum e * log e (0 where z is -inf; None "
-              "unless with_entropy=True) with e = exp(z - tile_max), all of shape (..., n_tiles); label_logits "
+              "unless with_entropy=True) with e = exp(z - tile_max), all of shape (..., n_tiles), the sums "
+              "float64 and exact (logprob_registry.kit.exact_sum: each term rounded to a multiple of 2**-40, "
+              "added without rounding); label_logits "
               "(...) = z at column labels - vocab_start where the shard holds the label and it is not "
               "ignore_index, else 0 (None when labels is None). A tile's statistics must depend on its own "
-              "columns only (bitwise, for backends declaring group_invariant)")
+              "columns only (bitwise, for backends declaring group_invariant: then the pieces of a tile "
+              "two shards share add up to the whole tile's)")
 _KL_SIDES = (Option("student_weight", None, "(V_local, H_s) or None: the student is hidden states (..., H_s)"),
              Option("teacher_weight", None, "(V_local, H_t) or None: the teacher is hidden states (..., H_t)"))
 _KL_DIRECTION = Option("direction", "forward", '"forward": KL(teacher || student); "reverse": KL(student || teacher)')
@@ -668,7 +677,7 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec(
         name="shard_stats", function=None,
         inputs=("logits", "labels"),
-        options=(_VOCAB_START, _TILE, _TEMPERATURE, _IGNORE_INDEX, _ENTROPY) + _SHARD_SAMPLER,
+        options=(_VOCAB_START, _GRID_TILE, _TEMPERATURE, _IGNORE_INDEX, _ENTROPY, _REFERENCE) + _SHARD_SAMPLER,
         outputs=_STATS,
         doc="vocabulary-parallel forward on one shard: logits (..., V_local), labels (...) global ids or None; "
             + _STATS_DOC + _SHARD_SAMPLER_DOC,
@@ -686,8 +695,8 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec(
         name="hidden_shard_stats", function=None,
         inputs=("hidden", "weight", "labels"),
-        options=(Option("bias", None, "tensor (V_local,) or None"), _VOCAB_START, _TILE, _TEMPERATURE,
-                 _IGNORE_INDEX, _ENTROPY) + _SHARD_SAMPLER + (_SHARD_LOGITS_DTYPE,),
+        options=(Option("bias", None, "tensor (V_local,) or None"), _VOCAB_START, _GRID_TILE, _TEMPERATURE,
+                 _IGNORE_INDEX, _ENTROPY, _REFERENCE) + _SHARD_SAMPLER + (_SHARD_LOGITS_DTYPE,),
         outputs=_STATS,
         doc="shard_stats of the logits hidden @ weight.T + bias of a weight shard (V_local, H), without "
             "forming them; hidden (..., H)",
@@ -696,7 +705,7 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec(
         name="hidden_shard_grad", function=None,
         inputs=("hidden", "weight", "labels", "lse", "entropy", "grad_logprobs", "grad_entropy"),
-        options=(Option("bias", None, "tensor (V_local,) or None"), _VOCAB_START, _TILE, _TEMPERATURE,
+        options=(Option("bias", None, "tensor (V_local,) or None"), _VOCAB_START, _GRID_TILE, _TEMPERATURE,
                  Option("needs_grad", (True, True, False), "(hidden, weight, bias): which gradients to form"))
                 + _SHARD_SAMPLER + (_SHARD_LOGITS_DTYPE,),
         outputs=("grad_hidden", "grad_weight", "grad_bias"),

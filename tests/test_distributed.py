@@ -494,11 +494,12 @@ fn, count = _shards._tile_stats_kernel, 0
 for x, acc, flags in (("bf16", "fp32", (True, True, True)), ("fp32", "fp32", (False, False, False)),
                       ("fp16", "fp32", (True, False, True)), ("fp64", "fp64", (True, True, True))):
     consts = dict(TILE=4096, ACC=tl.float64 if acc == "fp64" else tl.float32, LABELS=flags[0], IGNORE=flags[1],
-                  ENTROPY=flags[2])
+                  ENTROPY=flags[2], REF=flags[0])
     sig = {n: "i32" for n in fn.arg_names}
-    sig.update({n: "*" + acc for n in ("m_ptr", "s_ptr", "t_ptr", "pick_ptr")})
+    sig.update({n: "*" + acc for n in ("m_ptr", "pick_ptr", "ref_ptr")})
+    sig.update({n: "*fp64" for n in ("s_ptr", "t_ptr")})
     sig.update(x_ptr="*" + x, lab_ptr="*i64", t_hi="fp32", t_lo="fp32", xs0="i64", xs1="i64", xs2="i64",
-               vocab_start="i64", ignore_index="i64")
+               vocab_start="i64", offset="i64", ignore_index="i64")
     sig.update({n: "constexpr" for n in consts})
     for target in (GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx942", 64)):
         compiled = triton.compile(ASTSource(fn, sig, consts), target=target,

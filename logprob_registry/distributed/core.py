@@ -7,32 +7,41 @@ statistics through the registry *before* any collective, keeping any error in
 
 1. :func:`exchange`: one all-gather of the header rows; every rank raises the same error, or
    learns the :class:`~.header.Layout`;
-2. :func:`gather`: one all-gather of the packed statistics (:class:`Stats`), ``(N, K * max_tiles
-   + C + 1)`` per rank in the result dtype (``K`` per-tile statistics: 2, or 3 with the entropy, 5
-   for ``kl_divergence``; ``C`` per-row columns: the label's logit where this rank owns the label;
-   the last one a failure flag); :func:`in_order` reads one statistic in global tile order;
-3. :func:`combine`: the merge (:func:`~.merge.merge`) in global tile order, and the label's logit
+2. :func:`complete` (only where a shard edge is off the tile grid, so that two ranks share a grid
+   tile): one all-gather of each rank's first and last tile maxima per row; a piece below its
+   tile's max is recomputed against it (:attr:`Stats.recompute`);
+3. :func:`gather`: one all-gather of the packed statistics (:class:`Stats`), ``(N, K * max_tiles
+   + E + C + 1)`` per rank in the result dtype (``K`` per-tile statistics: 2, or 3 with the entropy, 5
+   for ``kl_divergence``; ``E``: the exact float64 sums of the shared tiles' pieces, their bits in
+   two float32 words each; ``C`` per-row columns: the label's logit where this rank owns the label;
+   the last one a failure flag); :func:`in_order` reads one statistic in global tile order, the
+   pieces of a shared tile added exactly;
+4. :func:`combine`: the merge (:func:`~.merge.merge`) in global tile order, and the label's logit
    taken from the rank that owns it: selected, never summed, so it is exact.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
 from . import header
 from .group import Group
 from .merge import merge
+from .tiles import NEG_INF, n_tiles
 
 
 class Stats(NamedTuple):
     """One shard's statistics, flattened to rows: per-tile statistics (N, n_tiles) each (None: not
-    asked for), and per-row columns (N, C) or None (the label logits)."""
+    asked for; the max in the result dtype, the sums of the grid's exact float64), per-row columns
+    (N, C) or None (the label logits), and ``recompute(slot, reference)``: the per-tile statistics
+    of that one grid tile against ``reference`` (N,), each (N, 1) (None: off the grid, kl_divergence)."""
 
     tiles: Tuple[Optional[torch.Tensor], ...]
     rows: Optional[torch.Tensor] = None
+    recompute: Optional[Callable] = None
 
 
 class Merged(NamedTuple):
@@ -64,27 +73,106 @@ def exchange(group: Group, local: header.Local, device: torch.device) -> header.
     return header.check(table, local)
 
 
-def gather(group: Group, layout: header.Layout, stats: Optional[Stats], count: int, columns: int,
-           device: torch.device, acc: torch.dtype, failure: Optional[BaseException] = None):
-    """The statistics all-gather: ``(W, N, count * width + columns)`` on ``device``, and ``width``,
-    the most tiles of a rank (each per-tile statistic padded to it).
+def _words(acc: torch.dtype) -> int:
+    """Columns of a packet in ``acc`` holding one float64's bits."""
+    return 1 if acc == torch.float64 else 2
 
-    ``count``: the per-tile statistics gathered (the first ``count`` of ``stats.tiles``);
-    ``columns``: the per-row columns after them (``stats.rows``, the label logits; K for candidate
-    labels). ``failure``: this rank could not compute its statistics after the header (a sampler's
-    second round); it still joins the gather, with its failure flag set (one more column, after the
-    others), so that every rank raises instead of the others hanging."""
-    rows, nts = layout.rows, layout.tiles
+
+def _exact_columns(layout: header.Layout, count: int, acc: torch.dtype, on_grid: bool) -> int:
+    """The packet's columns of the shared tiles' exact sums: the first and the last tile's, per sum."""
+    return 2 * (count - 1) * _words(acc) if on_grid and not layout.aligned else 0
+
+
+def _edges(layout: header.Layout, rank: int) -> tuple:
+    """``(edge, slot)`` of ``rank``'s shared grid tiles: edge 0 its first tile, edge 1 its last."""
+    first, last = layout.shared(rank)
+    n = layout.slots[rank]
+    return tuple((edge, slot) for edge, (shared, slot) in enumerate(((first, 0), (last, n - 1))) if shared)
+
+
+def _tile_max(table: torch.Tensor, layout: header.Layout, tile: int) -> torch.Tensor:
+    """The max per row of grid tile ``tile`` over every rank's piece (``table``: (W, N, 2), each rank's
+    first and last tile maxima)."""
+    out = None
+    for r in layout.order:
+        first = layout.first_tile(r)
+        last = first + layout.slots[r] - 1
+        for edge, at in ((0, first), (1, last)):
+            if at == tile:
+                piece = table[r, :, edge]
+                out = piece if out is None else torch.maximum(out, piece)
+                break
+    return out
+
+
+def complete(group: Group, layout: header.Layout, stats: Optional[Stats], device: torch.device,
+             acc: torch.dtype, failure: Optional[BaseException] = None) -> Tuple[Optional[Stats], Optional[BaseException]]:
+    """The grid tiles this rank shares with another (a shard edge off the grid) measured against the
+    whole tile's max, so that their pieces' exact sums add up to the tile's own (see :mod:`.tiles`):
+    one all-gather of every rank's first and last tile maxima per row, then :attr:`Stats.recompute`
+    of a piece that is below its tile's max in some row. Nothing happens when every shard starts on
+    the grid. A rank that failed (``failure``, or failing here) still joins the all-gather, and its
+    failure goes on to :func:`gather`."""
+    if layout.aligned or not layout.rows:
+        return stats, failure
+    me = group.rank
+    edges = torch.full((layout.rows, 2), NEG_INF, dtype=acc, device=device)
+    if failure is None and stats is not None:
+        m = stats.tiles[0]
+        edges[:, 0], edges[:, 1] = m[:, 0].to(device), m[:, -1].to(device)
+    table = group.all_gather(edges, device)
+    if failure is not None or stats is None:
+        return stats, failure
+    try:
+        parts = [None if p is None else p.clone() for p in stats.tiles]
+        done = set()
+        for _, slot in _edges(layout, me):
+            if slot in done:
+                continue
+            done.add(slot)
+            reference = _tile_max(table, layout, layout.first_tile(me) + slot).to(parts[0].device)
+            if not bool((parts[0][:, slot] < reference).any()):
+                continue  # this piece holds its tile's max in every row: measured against it already
+            for k, value in enumerate(stats.recompute(slot, reference)):
+                if parts[k] is not None and value is not None:
+                    parts[k][:, slot] = value.reshape(-1).to(parts[k].dtype)
+        return stats._replace(tiles=tuple(parts)), None
+    except Exception as exc:  # carried by the statistics gather's failure column
+        return None, exc
+
+
+def gather(group: Group, layout: header.Layout, stats: Optional[Stats], count: int, columns: int,
+           device: torch.device, acc: torch.dtype, failure: Optional[BaseException] = None, on_grid: bool = False):
+    """The statistics all-gather: ``(W, N, count * width + E + columns)`` on ``device``, and
+    ``width``, the most tiles of a rank (each per-tile statistic padded to it).
+
+    ``count``: the per-tile statistics gathered (the first ``count`` of ``stats.tiles``, in ``acc``);
+    ``on_grid``: they lie on the global tile grid (:attr:`.header.Layout.slots`; else cut from each
+    shard's first column), and the exact float64 sums of a shared tile's pieces travel as their bits
+    in ``E`` columns (:func:`complete` first); ``columns``: the per-row columns after them
+    (``stats.rows``, the label logits; K for candidate labels). ``failure``: this rank could not
+    compute its statistics after the header (a sampler's second round); it still joins the gather,
+    with its failure flag set (one more column, after the others), so that every rank raises
+    instead of the others hanging."""
+    rows, nts = layout.rows, layout.slots if on_grid else layout.tiles
     width = max(nts)
-    packet = torch.zeros(rows, count * width + columns + 1, dtype=acc, device=device)
+    exact = _exact_columns(layout, count, acc, on_grid)
+    first = count * width + exact
+    packet = torch.zeros(rows, first + columns + 1, dtype=acc, device=device)
     if failure is not None:
         packet[:, -1] = 1.0
     else:
         for i, part in enumerate(stats.tiles[:count]):
             if part is not None:
-                packet[:, i * width:i * width + part.shape[1]] = part.to(device)
+                packet[:, i * width:i * width + part.shape[1]] = part.to(device=device, dtype=acc)
+        words = _words(acc)
+        for edge, slot in (_edges(layout, group.rank) if exact else ()):
+            for i in range(1, count):
+                bits = stats.tiles[i][:, slot].to(device=device, dtype=torch.float64).contiguous().view(acc)
+                at = count * width + (edge * (count - 1) + i - 1) * words
+                packet[:, at:at + words] = bits.view(rows, words)
         if stats.rows is not None:
-            packet[:, count * width:count * width + columns] = stats.rows.reshape(rows, -1).to(device)
+            packet[:, first:first + columns] = stats.rows.reshape(rows, -1).to(device)
     gathered = group.all_gather(packet, device)
     if rows:
         failed = [r for r in range(gathered.shape[0]) if float(gathered[r, 0, -1]) != 0.0]
@@ -95,19 +183,45 @@ def gather(group: Group, layout: header.Layout, stats: Optional[Stats], count: i
     return gathered[..., :-1], width
 
 
-def in_order(gathered: torch.Tensor, width: int, layout: header.Layout, i: int) -> torch.Tensor:
+def in_order(gathered: torch.Tensor, width: int, layout: header.Layout, i: int,
+             count: Optional[int] = None) -> torch.Tensor:
     """The ``i``-th per-tile statistic of :func:`gather`'s result, ``(N, total tiles)`` in global tile
-    order (the ranks by their shard's start)."""
-    nts = layout.tiles
-    return torch.cat([gathered[r, :, i * width:i * width + nts[r]] for r in layout.order], dim=1)
+    order (the ranks by their shard's start). ``count`` (the statistics gathered) for statistics on
+    the grid: the max of a shared tile is its pieces' max, a sum its pieces' exact sums added (exact:
+    the same bits as the whole tile's) and rounded once to the packet's dtype."""
+    if count is None:
+        nts = layout.tiles
+        return torch.cat([gathered[r, :, i * width:i * width + nts[r]] for r in layout.order], dim=1)
+    rows, acc = gathered.shape[1], gathered.dtype
+    total = n_tiles(layout.vocab, layout.tile)
+    exact = _exact_columns(layout, count, acc, True)
+    words = _words(acc)
+    if i == 0:
+        out = torch.full((rows, total), NEG_INF, dtype=acc, device=gathered.device)
+    else:
+        out = torch.zeros(rows, total, dtype=torch.float64, device=gathered.device)
+    for r in layout.order:
+        g0, n = layout.first_tile(r), layout.slots[r]
+        values = gathered[r, :, i * width:i * width + n]
+        if i == 0:
+            out[:, g0:g0 + n] = torch.maximum(out[:, g0:g0 + n], values)
+            continue
+        values = values.to(torch.float64)
+        for edge, slot in (_edges(layout, r) if exact else ()):
+            at = count * width + (edge * (count - 1) + i - 1) * words
+            values[:, slot] = gathered[r, :, at:at + words].contiguous().view(torch.float64).view(rows)
+        out[:, g0:g0 + n] += values
+    return out.to(acc)
 
 
 def combine(gathered: torch.Tensor, width: int, layout: header.Layout, labels: Optional[torch.Tensor],
             ignore_index: Optional[int], with_entropy: bool) -> Merged:
     """Merge the gathered statistics in global tile order; the log-probabilities of ``labels``
     (global ids, or None) from the owner's label logit."""
+    count = 3 if with_entropy else 2
+
     def part(i: int) -> torch.Tensor:
-        return in_order(gathered, width, layout, i)
+        return in_order(gathered, width, layout, i, count)
 
     lse, entropy = merge(part(0), part(1), part(2) if with_entropy else None)
     logprobs = None

@@ -26,6 +26,7 @@ from .. import config
 from ..dtypes import FLOAT_DTYPES, dtype_name
 from ..opspec import op_of_code, wire_code
 from ..registry.errors import NoEligibleBackendError
+from .tiles import grid_slots
 
 MAGIC = 0x6C70_7267_0003  # "lprg", protocol version 3: ranks running another version are told so
 MESSAGE_BYTES = 400
@@ -95,14 +96,27 @@ class Layout:
 
     @property
     def tiles(self) -> tuple:
-        """Tiles per rank."""
+        """Tiles per rank, cut from the shard's first column (kl_divergence's statistics)."""
         return tuple(-(-w // self.tile) for w in self.widths)
 
     @property
+    def slots(self) -> tuple:
+        """Tiles of the global grid each rank's shard meets (the logits side's statistics)."""
+        return tuple(grid_slots(s, w, self.tile) for s, w in zip(self.starts, self.widths))
+
+    @property
     def aligned(self) -> bool:
-        """Whether every shard starts at a multiple of the tile (the condition for bitwise
-        independence of the group size)."""
+        """Whether every shard starts at a multiple of the tile: no grid tile is shared."""
         return all(s % self.tile == 0 for s in self.starts)
+
+    def shared(self, rank: int) -> tuple:
+        """Whether the first and the last grid tile of ``rank``'s shard are shared with another rank."""
+        start, end = self.starts[rank], self.starts[rank] + self.widths[rank]
+        return start % self.tile != 0, end % self.tile != 0 and end != self.vocab
+
+    def first_tile(self, rank: int) -> int:
+        """The global index of the first grid tile of ``rank``'s shard."""
+        return self.starts[rank] // self.tile
 
 
 def checksums(labels: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ class KL(Sharded):
     statistics, their merge into the KL, and the student's gradient."""
 
     labels_name = "mask"  # the header compares the mask's checksums
+    on_grid = False  # its tiles are cut from each shard's first column: bitwise only on tile-aligned shards
 
     def __init__(self, plan: Plan, op: str, call: Union[Call, BaseException], group: Group,
                  registry: Registry) -> None:

@@ -379,8 +379,8 @@ class Truncation:
 
     def _max_and_total(self, shard, layout, stats, device, acc, failure=None):
         """The row's max and ``sum exp(z - max)`` (float32) from every shard's tile statistics."""
-        gathered, width = core.gather(shard.group, layout, stats, 2, shard.columns(), device, acc, failure)
-        m, s = (core.in_order(gathered, width, layout, i) for i in range(2))
+        gathered, width = shard.gathered(layout, stats, 2, device, acc, failure)
+        m, s = (core.in_order(gathered, width, layout, i, 2) for i in range(2))
         return tuple(x.to(torch.float32) for x in max_and_total(m, s))
 
     def _min_p_over(self, shard, layout, before, device, acc) -> tuple:

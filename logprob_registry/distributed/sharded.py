@@ -32,7 +32,7 @@ from . import core, header, kl, sampled
 from .core import BackwardFailedError  # noqa: F401 - raised by the hidden backward (core.sum_over_group)
 from .group import Group, resolve
 from .skeleton import Plan, Sharded, function
-from .tiles import TILE
+from .tiles import TILE, grid
 
 _HIDDEN = "logprobs_from_hidden"
 
@@ -199,8 +199,32 @@ class Logits(Sharded):
         if plain:
             options.update(keep=None, boundary=boundary, with_entropy=False)
         present = (True, True, self.want_entropy and not plain)
-        return self.tile_stats(self.key(self.plan.stats_op, self.call.grad), self._stats_inputs(), options, present,
-                               self.label_count(), acc)
+        key = self.key(self.plan.stats_op, self.call.grad)
+        out = self.tile_stats(key, self._stats_inputs(), options, present, self.label_count(), acc)
+
+        def recompute(slot: int, reference: torch.Tensor) -> tuple:
+            return self._slot_stats(key, options, present, slot, reference, acc)
+
+        return out._replace(recompute=recompute)
+
+    def _slot_stats(self, key, options: dict, present: tuple, slot: int, reference: torch.Tensor, acc) -> tuple:
+        """One grid tile's statistics against ``reference`` (the whole tile's max per row): the same
+        shard op over the shard's columns in that tile, ``(m, s, t)`` each (rows, 1)."""
+        piece = grid(self.start, self.call.vocab, TILE)[slot]
+        c0, c1 = piece.c0, piece.c1
+        inputs = list(self._stats_inputs())
+        narrowed = dict(options, vocab_start=self.start + c0, reference=reference.view(self.call.inputs[0].shape[:-1]))
+        if self.hidden:
+            inputs[1] = inputs[1][c0:c1]
+            if options["bias"] is not None:
+                narrowed["bias"] = options["bias"][c0:c1]
+        else:
+            inputs[0] = inputs[0][..., c0:c1]
+        if options.get("keep") is not None:
+            narrowed["keep"] = options["keep"][:, c0:c1]
+        stats = self.tile_stats(key, tuple(inputs), narrowed, present, self.label_count(), acc,
+                                start=self.start + c0, width=c1 - c0)
+        return stats.tiles
 
     def lists(self, length: int, decision: bool = True):
         """This shard's top-``length`` (values, global ids) of the float32 processed logits (at most its

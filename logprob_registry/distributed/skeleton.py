@@ -36,7 +36,7 @@ from ..opspec import OPS
 from ..registry import Expected, Registry
 from . import core, header, support
 from .group import Group
-from .tiles import TILE, n_tiles
+from .tiles import TILE, grid_slots, n_tiles
 
 
 class Plan(NamedTuple):
@@ -60,6 +60,9 @@ class Sharded:
 
     #: What the header's checksum covers (``labels``, or kl_divergence's mask), for its message.
     labels_name = "labels"
+    #: Whether the statistics lie on the global tile grid (:mod:`.tiles`; shared tiles completed by
+    #: :func:`.core.complete`), or are cut from each shard's first column (kl_divergence's).
+    on_grid = True
 
     def __init__(self, plan: Plan, op: str, call: Union[Call, BaseException], group: Group,
                  registry: Registry) -> None:
@@ -129,19 +132,34 @@ class Sharded:
         return self.registry.run(key, backend, inputs, options, expected)[1]
 
     def tile_stats(self, key, inputs: tuple, options: dict, present: tuple, labels: Optional[int],
-                   acc: torch.dtype) -> core.Stats:
-        """A statistics shard op's per-tile statistics (those ``present``), ``(rows, n_tiles)`` in
-        ``acc`` each, and with ``labels`` (not None: the op's last output) the label logits per row."""
-        rows, nt = self.rows, n_tiles(self.call.vocab, TILE)
-        tile = Expected((rows, nt), flat=True, words=f"{rows} rows x {nt} tiles of {TILE} columns")
+                   acc: torch.dtype, start: Optional[int] = None, width: Optional[int] = None) -> core.Stats:
+        """A statistics shard op's per-tile statistics (those ``present``), ``(rows, n_tiles)`` each
+        (the first in ``acc``, the sums in float64 on the grid), and with ``labels`` (not None: the
+        op's last output) the label logits per row; ``start``, ``width``: of the columns the call
+        covers (default: the shard's)."""
+        start = self.start if start is None else start
+        width = self.call.vocab if width is None else width
+        rows = self.rows
+        nt = grid_slots(start, width, TILE) if self.on_grid else n_tiles(width, TILE)
+        words = "grid tiles" if self.on_grid else "tiles"
+        tile = Expected((rows, nt), flat=True, words=f"{rows} rows x {nt} {words} of {TILE} columns")
         expected = tuple(tile if wanted else None for wanted in present)
         if labels is not None:
             expected += (Expected((rows, labels), flat=True, words=f"{rows} rows x {labels} label logits")
                          if labels else None,)
         out = self.shard(key, inputs, options, expected, self.call.backend)
-        parts = tuple(value.reshape(rows, nt).to(acc) if wanted else None for wanted, value in zip(present, out))
+        sums = torch.float64 if self.on_grid else acc
+        parts = tuple(value.reshape(rows, nt).to(acc if i == 0 else sums) if wanted else None
+                      for i, (wanted, value) in enumerate(zip(present, out)))
         per_row = out[len(present)].reshape(rows, labels).to(acc) if labels else None
         return core.Stats(parts, per_row)
+
+    def gathered(self, layout, stats: Optional[core.Stats], count: int, device, acc,
+                 failure: Optional[BaseException] = None):
+        """:func:`.core.gather` of ``count`` statistics (:func:`.core.complete` first, on the grid)."""
+        if self.on_grid:
+            stats, failure = core.complete(self.group, layout, stats, device, acc, failure)
+        return core.gather(self.group, layout, stats, count, self.packed()[1], device, acc, failure, self.on_grid)
 
     def forward(self) -> Tuple[tuple, tuple]:
         """``(outputs, saved)`` on every rank (see :meth:`results`), or every rank raises the same error."""
@@ -169,8 +187,7 @@ class Sharded:
         if not layout.rows:
             return self.empty(local.shape, acc, on)
         stats, failure = self.rounds(layout, stats, device, acc)
-        count, columns = self.packed()
-        gathered, width = core.gather(self.group, layout, stats, count, columns, device, acc, failure)
+        gathered, width = self.gathered(layout, stats, self.packed()[0], device, acc, failure)
         return self.results(layout, gathered, width, local.shape, device, acc, on)
 
     def release(self) -> None:

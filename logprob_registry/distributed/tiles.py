@@ -1,20 +1,27 @@
 """The tile protocol shared by the core and the backends' shard ops.
 
-A shard's columns are cut in tiles of :data:`TILE` columns from its first column (the last tile may
-be shorter). Per row and tile a backend returns ``m = max z``, ``s = sum e`` and ``t = sum e log e``
-with ``e = exp(z - m)``; the core gathers them and merges them in global tile order. When every
-shard starts at a multiple of ``TILE``, the global tiles are the same whatever the number of
-ranks, so a backend whose tile statistics depend (bitwise) on the tile's own columns only makes
-the whole result independent of the group size: a gather moves bytes and never rounds.
+The vocabulary is cut in tiles of :data:`TILE` columns at fixed global column indices (a global
+grid): a shard starting at ``vocab_start`` has ``offset = vocab_start % TILE`` columns of its first
+tile outside it, and its last tile may end past it (:func:`grid_slots`). Per row and tile (the
+shard's piece of it) a backend returns ``m = max z``, ``s = sum e`` and ``t = sum e (z - m)`` with
+``e = exp(z - m)``, the sums *exact*: each term rounded to a multiple of ``2**-QUANTUM_BITS`` and
+summed in float64, where sums of at most a tile of such terms never round (:func:`exact_sum`). So a
+tile's statistics are the same bits in whatever order or pieces its terms are added.
 
-:func:`tree_sum` is the fixed-order reduction used for that (only elementwise adds, so an output's
+A tile that two shards share (a shard edge off the grid) is completed by the core: each piece's max
+is gathered, a piece below the tile's max is recomputed against it (the option ``reference``), and
+the pieces' exact sums are added. Every tile then has the statistics it has in a group of one, and
+the core merges the tiles in global order (:mod:`.merge`): results, whatever the shards' widths and
+the number of ranks, are the same bits (a gather moves bytes and never rounds).
+
+:func:`tree_sum` is the fixed-order reduction of the merge (only elementwise adds, so an output's
 bits depend on its own inputs whatever the shape, device or thread count); :func:`tile_stats_`
 is the pure-PyTorch tile statistics that ``chunked`` uses.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -23,6 +30,52 @@ import torch
 #: vocabulary shards of real models (a shard of 151936 / 8 columns is not, and is still correct).
 TILE = 4096
 NEG_INF = float("-inf")
+#: The terms of a tile's exact sums are multiples of ``2**-QUANTUM_BITS``: a tile of 4096 terms of at
+#: most 1 in magnitude sums below ``2**52``, so float64 adds them without rounding (a term's rounding,
+#: at most ``2**-41``, is far below float32's ``2**-24`` relative to the tile's sum, at least 1).
+QUANTUM_BITS = 40
+_SCALE = float(2 ** QUANTUM_BITS)
+
+
+def grid_offset(vocab_start: int, tile: int = TILE) -> int:
+    """Columns of the shard's first tile that lie before it (the global grid)."""
+    return vocab_start % tile
+
+
+def grid_slots(vocab_start: int, width: int, tile: int = TILE) -> int:
+    """Tiles of the global grid a shard of ``width`` columns from ``vocab_start`` meets."""
+    return n_tiles(grid_offset(vocab_start, tile) + width, tile) if width else 0
+
+
+class Slot(NamedTuple):
+    """A shard's piece of one grid tile: its columns ``[c0, c1)`` of the shard, at the columns
+    ``[p0, p1)`` of the tile."""
+
+    c0: int
+    c1: int
+    p0: int
+
+    @property
+    def p1(self) -> int:
+        return self.p0 + self.c1 - self.c0
+
+
+def grid(vocab_start: int, width: int, tile: int = TILE) -> List[Slot]:
+    """The :class:`Slot` of each grid tile a shard of ``width`` columns from ``vocab_start`` meets."""
+    offset = grid_offset(vocab_start, tile)
+    out = []
+    for j in range(grid_slots(vocab_start, width, tile)):
+        first = j * tile - offset  # the tile's first column, in the shard's columns
+        c0, c1 = max(0, first), min(width, first + tile)
+        out.append(Slot(c0, c1, c0 - first))
+    return out
+
+
+def exact_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the last dim (at most a tile, ``|x| <= 1``) of ``x`` rounded to multiples of
+    ``2**-QUANTUM_BITS``, in float64, with no rounding in the adds: the same bits in any order or
+    split (NaN and infinities propagate)."""
+    return torch.round(x * _SCALE).to(torch.float64).sum(-1).mul_(1.0 / _SCALE)
 
 
 def n_tiles(width: int, tile: int = TILE) -> int:
@@ -68,21 +121,26 @@ def tiled(z: torch.Tensor, tile: int) -> torch.Tensor:
     return z.reshape(rows, nt, tile)
 
 
-def tile_stats_(z: torch.Tensor, with_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """``(m, s, t)`` of ``z`` (..., tile) with a power-of-two ``tile``, each (...) ; ``z`` is overwritten.
+def tile_stats_(z: torch.Tensor, with_entropy: bool, reference: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(m, s, t)`` of ``z`` (rows, tiles, tile), each (rows, tiles); ``z`` is overwritten.
 
-    ``m = max z`` (exact), ``s = sum exp(z - m)``, ``t = sum exp(z - m) (z - m)`` (0 for -inf
-    entries), both summed by :func:`tree_sum_`; a tile of nothing but -inf gives ``(-inf, 0, 0)``
-    and a NaN anywhere in a tile makes all three NaN. The outputs are fresh tensors.
+    ``m = max z`` (exact; with ``reference`` (rows,), at least it: a piece of a tile measured against
+    the whole tile's max), ``s = sum exp(z - m)``, ``t = sum exp(z - m) (z - m)`` (0 for -inf
+    entries), both :func:`exact_sum` (float64); a tile of nothing but -inf gives ``(-inf, 0, 0)`` and
+    a NaN anywhere in a tile makes all three NaN. The outputs are fresh tensors.
     """
     m = z.amax(-1)
+    if reference is not None:
+        m = torch.maximum(m, reference.to(m.dtype).view(-1, 1).expand_as(m))
     m_safe = m.masked_fill(m == NEG_INF, 0.0)
     d = z.sub_(m_safe.unsqueeze(-1))
-    if not with_entropy:
-        return m, tree_sum_(d.exp_()).clone(), None
     e = torch.exp(d)
+    s = exact_sum(e)
+    if not with_entropy:
+        return m, s, None
     ed = d.mul_(e).masked_fill_(e == 0, 0.0)  # e * d, and 0 where e is 0 (0 * -inf for masked entries)
-    return m, tree_sum_(e).clone(), tree_sum_(ed).clone()
+    return m, s, exact_sum(ed)
 
 
 def label_columns(labels: torch.Tensor, vocab_start: int, width: int,

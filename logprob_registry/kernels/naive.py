@@ -151,15 +151,19 @@ def kl_divergence(student, teacher, *, direction, temperature, mask, tail, stude
 # ------------------------------------------------- vocabulary-parallel ops (the textbook formulas)
 # Per tile: max, then plain sums. Correct, but a plain sum's order is the kernel's choice (on CUDA it
 # depends on the shape), so naive does not declare group_invariant.
-def _stats(z, labels, vocab_start, tile, ignore_index, with_entropy, lead):
-    """The shard_stats outputs of z (N, V_local) in the result dtype."""
-    z3 = tiled(z, tile)
+def _stats(z, labels, vocab_start, tile, ignore_index, with_entropy, lead, reference=None):
+    """The shard_stats outputs of z (N, V_local): the max in z's dtype, the sums in float64 (plain
+    sums, not exact), on the global tile grid."""
+    offset = kit.grid_offset(vocab_start, tile)
+    z3 = tiled(torch.nn.functional.pad(z, (offset, 0), value=float("-inf")) if offset else z, tile)
     m = z3.amax(-1)
+    if reference is not None:
+        m = torch.maximum(m, reference.reshape(-1, 1).to(m.dtype))
     d = z3 - m.masked_fill(m == float("-inf"), 0.0).unsqueeze(-1)
     e = d.exp()
     nt = z3.shape[1]
-    s = e.sum(-1).view(*lead, nt)
-    t = torch.where(e == 0, 0.0, e * d).sum(-1).view(*lead, nt) if with_entropy else None
+    s = e.double().sum(-1).view(*lead, nt)
+    t = torch.where(e == 0, 0.0, e * d).double().sum(-1).view(*lead, nt) if with_entropy else None
     picked = None
     if labels is not None:
         owned, column = label_columns(labels, vocab_start, z.shape[1], ignore_index)
@@ -184,7 +188,7 @@ def _dz(z, labels, lse, entropy, grad_logprobs, grad_entropy, vocab_start, tempe
 
 
 def _sampled(x, labels, lead, *, vocab_start, tile, temperature, ignore_index, with_entropy, softcap, keep,
-             boundary, logits_dtype=None):
+             boundary, logits_dtype=None, reference=None):
     """shard_stats with the sampler's processing (feature shard_sampler): the tile statistics of z over
     the kept tokens; labels (...) or candidates (..., K)."""
     z, y = kit.shard_processed(kit.shard_rounded(x, logits_dtype), temperature=temperature, softcap=softcap,
@@ -196,7 +200,8 @@ def _sampled(x, labels, lead, *, vocab_start, tile, temperature, ignore_index, w
         lab = labels.reshape(z.shape[0], -1)
         owned, value = kit.shard_label_values(z, mask, lab, vocab_start, ignore_index)
         picked = torch.where(owned, value, 0.0).view(labels.shape)
-    m, s, t, _ = _stats(kit.shard_masked(z.clone(), mask), None, vocab_start, tile, ignore_index, with_entropy, lead)
+    m, s, t, _ = _stats(kit.shard_masked(z.clone(), mask), None, vocab_start, tile, ignore_index, with_entropy, lead,
+                        reference)
     return m, s, t, picked
 
 
@@ -224,15 +229,15 @@ def _sampler_given(labels, lead, softcap, keep, boundary, logits_dtype=None, tem
             or isinstance(temperature, torch.Tensor) or (labels is not None and labels.dim() > len(lead)))
 
 
-def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, softcap=None,
-                keep=None, boundary=None):
+def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, reference=None,
+                softcap=None, keep=None, boundary=None):
     if _sampler_given(labels, logits.shape[:-1], softcap, keep, boundary, temperature=temperature):
         x = logits.reshape(-1, logits.shape[-1])
         return _sampled(x, labels, logits.shape[:-1], vocab_start=vocab_start, tile=tile, temperature=temperature,
                         ignore_index=ignore_index, with_entropy=with_entropy, softcap=softcap, keep=keep,
-                        boundary=boundary)
+                        boundary=boundary, reference=reference)
     z = logits.reshape(-1, logits.shape[-1]).to(result_dtype(logits.dtype)) / temperature
-    return _stats(z, labels, vocab_start, tile, ignore_index, with_entropy, logits.shape[:-1])
+    return _stats(z, labels, vocab_start, tile, ignore_index, with_entropy, logits.shape[:-1], reference)
 
 
 def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature,
@@ -284,14 +289,14 @@ def _hidden_raw(hidden, weight, bias):
 
 
 def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy,
-                       softcap=None, keep=None, boundary=None, logits_dtype=None):
+                       reference=None, softcap=None, keep=None, boundary=None, logits_dtype=None):
     if _sampler_given(labels, hidden.shape[:-1], softcap, keep, boundary, logits_dtype, temperature):
         _, x = _hidden_raw(hidden, weight, bias)
         return _sampled(x, labels, hidden.shape[:-1], vocab_start=vocab_start, tile=tile, temperature=temperature,
                         ignore_index=ignore_index, with_entropy=with_entropy, softcap=softcap, keep=keep,
-                        boundary=boundary, logits_dtype=logits_dtype)
+                        boundary=boundary, logits_dtype=logits_dtype, reference=reference)
     _, z = _hidden_logits(hidden, weight, bias, temperature)
-    return _stats(z, labels, vocab_start, tile, ignore_index, with_entropy, hidden.shape[:-1])
+    return _stats(z, labels, vocab_start, tile, ignore_index, with_entropy, hidden.shape[:-1], reference)
 
 
 def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start,

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from logprob_registry.kit import add_matmul, n_tiles, pad_rows, result_dtype, tree_sum_
+from logprob_registry.kit import Slot, add_matmul, n_tiles, pad_rows, result_dtype, tree_sum_
 
 from ._hidden import resolve_chunk_bytes
 from ._shards import _rows_per_chunk, _tile_logits, _weight_tile
@@ -28,7 +28,8 @@ def _tile_z(flat: torch.Tensor, weight_tile: Optional[torch.Tensor], r0: int, r1
             width: int, temperature: float, acc: torch.dtype) -> torch.Tensor:
     """``z / T`` of rows ``[r0, r1)`` and columns ``[c0, c1)`` of one side, padded with -inf to ``width``."""
     if weight_tile is not None:
-        return _tile_logits(flat[r0:r1].to(acc), weight_tile, None, temperature, width)
+        z = _tile_logits(flat[r0:r1].to(acc), weight_tile, None, temperature)
+        return z if z.shape[1] == width else torch.nn.functional.pad(z, (0, width - z.shape[1]), value=NEG_INF)
     z = torch.empty(r1 - r0, width, dtype=acc, device=flat.device)
     z[:, :c1 - c0].copy_(flat[r0:r1, c0:c1])
     if c1 - c0 < width:
@@ -53,7 +54,7 @@ class _Side:
         self.weight = weight
 
     def tile(self, c0: int, c1: int, acc: torch.dtype) -> Optional[torch.Tensor]:
-        return None if self.weight is None else _weight_tile(self.weight, None, c0, c1, acc)[0]
+        return None if self.weight is None else _weight_tile(self.weight, None, Slot(c0, c1, 0), acc, c1 - c0)[0]
 
 
 def _rows(acc: torch.dtype, budget: int, tile: int) -> int:

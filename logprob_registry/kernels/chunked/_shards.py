@@ -1,19 +1,21 @@
 """``chunked``'s vocabulary-parallel ops: tile statistics of a shard and its gradient, for the
 logits ops and for ``logprobs_from_hidden`` (see :mod:`logprob_registry.distributed`).
 
-Tile statistics use :func:`~logprob_registry.kit.tile_stats_`: a max (exact) and
-sums by a halving tree (elementwise adds only), so a tile's statistics depend bitwise on its own
-columns whatever the rows around it, the shard's width, the device or the thread count:
-``chunked`` declares ``group_invariant``. Rows go a chunk at a time through a workspace of a few
-MiB (the backend's budget), so no copy of the logits is made; the fused op forms one tile of
-logits (a block of rows against ``TILE`` columns of the weight) at a time and never the
-``(N, V_local)`` logits.
+Tiles lie on the global grid (:func:`~logprob_registry.kit.grid`): the shard's columns sit at
+their global positions in tiles of ``TILE``, -inf around them. Tile statistics use
+:func:`~logprob_registry.kit.tile_stats_`: a max (exact) and exact sums (terms rounded to a fixed
+grid, added in float64 without rounding), so a tile's statistics, or a piece's against the
+``reference`` the core gives, depend bitwise on its own columns whatever the rows around it, the
+shard's width, the device or the thread count: ``chunked`` declares ``group_invariant``. Rows go a
+chunk at a time through a workspace of a few MiB (the backend's budget), so no copy of the logits
+is made; the fused op forms one tile of logits (a block of rows against ``TILE`` columns of the
+weight) at a time and never the ``(N, V_local)`` logits.
 
 The fused op's matmuls have the same shapes whatever the shard: a block of rows of a size fixed by
-the budget only (padded to ``MIN_GEMM_ROWS``), against one tile of the weight copied to a fresh
-buffer (so its alignment is the same on every rank). Whether a matmul library then gives the same
-bits is up to the library: true of the CPU build tested; GPUs' libraries pick kernels by shape,
-which is the same here.
+the budget only (padded to ``MIN_GEMM_ROWS``), against one whole tile of the weight in a fresh
+buffer, the shard's rows at their places in the tile and zeros elsewhere (a shard's edge pays for a
+whole tile). Whether a matmul library then gives the same bits is up to the library: true of the
+CPU build tested; GPUs' libraries pick kernels by shape, which is the same here.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import torch
 from logprob_registry import kit
 from logprob_registry.kit import (
     MIN_GEMM_ROWS,
+    Slot,
     add_matmul,
+    grid,
     label_columns,
     n_tiles,
     overlapping,
@@ -37,7 +41,8 @@ from logprob_registry.kit import (
 from ._hidden import resolve_chunk_bytes
 from ._rows import chunks
 
-TileStats = Callable[[torch.Tensor, bool], tuple]  # (rows, tile) scratch, with_entropy -> (m, s, t)
+#: (rows, tiles, tile) scratch, with_entropy, reference (rows,) or None -> (m, s, t), each (rows, tiles)
+TileStats = Callable[[torch.Tensor, bool, Optional[torch.Tensor]], tuple]
 
 
 def _rows_per_chunk(columns: int, acc: torch.dtype, budget: int) -> int:
@@ -45,38 +50,55 @@ def _rows_per_chunk(columns: int, acc: torch.dtype, budget: int) -> int:
     return max(MIN_GEMM_ROWS, budget // max(1, 3 * columns * itemsize))
 
 
-def _load(scratch: torch.Tensor, chunk: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``chunk / temperature`` in the scratch's dtype, padded with -inf to the scratch's width."""
+def _load(scratch: torch.Tensor, chunk: torch.Tensor, temperature: float, offset: int = 0) -> torch.Tensor:
+    """``chunk / temperature`` in the scratch's dtype from its column ``offset``, -inf around it."""
     r, v = chunk.shape
     out = scratch[:r]
-    out[:, :v].copy_(chunk)
-    if v < out.shape[1]:
-        out[:, v:].fill_(float("-inf"))
+    out[:, offset:offset + v].copy_(chunk)
+    if offset:
+        out[:, :offset].fill_(float("-inf"))
+    if offset + v < out.shape[1]:
+        out[:, offset + v:].fill_(float("-inf"))
     if temperature != 1.0:
         out.div_(temperature)
     return out
 
 
+def _on_grid(z: torch.Tensor, offset: int, nt: int, tile: int) -> torch.Tensor:
+    """``z`` (rows, width) at its columns of ``nt`` grid tiles (from ``offset``), -inf around it."""
+    width = z.shape[1]
+    if offset == 0 and width == nt * tile:
+        return z
+    return torch.nn.functional.pad(z, (offset, nt * tile - width - offset), value=float("-inf"))
+
+
+def _reference_rows(reference, sl):
+    return None if reference is None else reference.reshape(-1)[sl]
+
+
 def _empty_stats(n, nt, acc, device, with_entropy):
-    """Empty per-tile ``(m, s, t)`` of ``n`` rows and ``nt`` tiles (``t``: None without the entropy)."""
+    """Empty per-tile ``(m, s, t)`` of ``n`` rows and ``nt`` tiles (``t``: None without the entropy);
+    the sums are exact float64."""
     m = torch.empty(n, nt, dtype=acc, device=device)
-    s = torch.empty(n, nt, dtype=acc, device=device)
-    return m, s, torch.empty(n, nt, dtype=acc, device=device) if with_entropy else None
+    s = torch.empty(n, nt, dtype=torch.float64, device=device)
+    return m, s, torch.empty(n, nt, dtype=torch.float64, device=device) if with_entropy else None
 
 
 def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, budget: int,
-                stats_fn: Optional[TileStats] = None, softcap=None, keep=None, boundary=None):
+                stats_fn: Optional[TileStats] = None, softcap=None, keep=None, boundary=None, reference=None):
     """Per-tile ``(m, s, t)`` of the shard and the label logits (see the op table), a chunk of rows
     at a time in a workspace of about ``budget`` bytes; with the sampler's options (feature
     ``shard_sampler``) or candidate labels, :func:`sampled_shard_stats`."""
     if sampler_given(labels, logits.shape[:-1], softcap, keep, boundary, temperature=temperature):
         return sampled_shard_stats(logits, labels, vocab_start=vocab_start, tile=tile, temperature=temperature,
                                    ignore_index=ignore_index, with_entropy=with_entropy, softcap=softcap,
-                                   keep=keep, boundary=boundary, budget=budget, stats_fn=stats_fn)
+                                   keep=keep, boundary=boundary, budget=budget, stats_fn=stats_fn,
+                                   reference=reference)
     stats_fn = stats_fn or tile_stats_
     acc = result_dtype(logits.dtype)
     lead, width = logits.shape[:-1], logits.shape[-1]
-    n, nt = labels_rows(lead), n_tiles(width, tile)
+    offset = vocab_start % tile
+    n, nt = labels_rows(lead), n_tiles(offset + width, tile)
     m, s, t = _empty_stats(n, nt, acc, logits.device, with_entropy)
     picked = owned = column = None
     if labels is not None:
@@ -86,12 +108,12 @@ def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index,
     scratch = torch.empty(min(rows, max(n, 1)), nt * tile, dtype=acc, device=logits.device)
     for start, chunk in chunks(logits, rows):
         r = chunk.shape[0]
-        z = _load(scratch, chunk, temperature)
+        z = _load(scratch, chunk, temperature, offset)
+        sl = slice(start, start + r)
         if picked is not None:
-            sl = slice(start, start + r)
-            got = z.gather(1, column[sl].unsqueeze(1)).squeeze(1)
+            got = z.gather(1, (column[sl] + offset).unsqueeze(1)).squeeze(1)
             picked[sl] = torch.where(owned[sl], got, picked[sl])
-        cm, cs, ct = stats_fn(z.view(r, nt, tile), with_entropy)
+        cm, cs, ct = stats_fn(z.view(r, nt, tile), with_entropy, _reference_rows(reference, sl))
         m[start:start + r], s[start:start + r] = cm, cs
         if t is not None:
             t[start:start + r] = ct
@@ -172,22 +194,29 @@ def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, voc
 
 
 # ------------------------------------------------------------------------- the fused op
-def _weight_tile(weight, bias, c0, c1, acc):
-    """Tile ``[c0, c1)`` of the weight (and bias) in a fresh buffer of the compute dtype."""
-    w = torch.empty((c1 - c0, weight.shape[1]), dtype=acc, device=weight.device)
-    w.copy_(weight[c0:c1])
-    b = None if bias is None else bias[c0:c1].to(acc)
+def _weight_tile(weight, bias, slot: Slot, acc, tile: int):
+    """The weight's (and bias's) rows of ``slot`` at their places in a fresh ``(tile, H)`` buffer of
+    the compute dtype, zeros elsewhere: every tile's matmul has one shape, whatever the shard."""
+    c0, c1, p0 = slot.c0, slot.c1, slot.p0
+    w = torch.zeros((tile, weight.shape[1]), dtype=acc, device=weight.device)
+    w[p0:p0 + c1 - c0].copy_(weight[c0:c1])
+    b = None
+    if bias is not None:
+        b = torch.zeros(tile, dtype=acc, device=bias.device)
+        b[p0:p0 + c1 - c0].copy_(bias[c0:c1])
     return w, b
 
 
-def _tile_logits(h, w, b, temperature, width):
-    """``(h @ w.T + b) / T`` for a block of rows, padded with -inf columns to ``width``."""
+def _tile_logits(h, w, b, temperature, slot: Optional[Slot] = None):
+    """``(h @ w.T + b) / T`` for a block of rows against a tile buffer (:func:`_weight_tile`), -inf
+    outside ``slot``'s columns (None: keep every column)."""
     r = h.shape[0]
     hp = pad_rows(h)
     z = hp @ w.t() if b is None else torch.addmm(b, hp, w.t())
     z = z[:r]
-    if z.shape[1] < width:
-        z = torch.nn.functional.pad(z, (0, width - z.shape[1]), value=float("-inf"))
+    if slot is not None:
+        z[:, :slot.p0].fill_(float("-inf"))
+        z[:, slot.p1:].fill_(float("-inf"))
     if temperature != 1.0:
         z.div_(temperature)
     return z
@@ -197,27 +226,28 @@ def _hidden_rows(hidden: torch.Tensor, acc: torch.dtype, budget: int, tile: int)
     return _rows_per_chunk(tile, acc, budget)
 
 
-def _hidden_tile_stats(hidden, weight, bias, *, tile, with_entropy, budget, stats_fn, tile_of):
-    """Per-tile ``(m, s, t)`` of a weight shard's logits, one tile of logits at a time, the logits
-    of a block of rows ``r0:r1`` against the weight's columns ``c0:c1`` being ``tile_of(hb, w, b,
-    r0, r1, c0, c1)`` (``tile`` columns, -inf past ``c1``; it also picks the label logits): the
-    loop of the plain and the sampler's paths, which differ only in that."""
+def _hidden_tile_stats(hidden, weight, bias, *, vocab_start, tile, with_entropy, budget, stats_fn, tile_of,
+                       reference=None):
+    """Per-tile ``(m, s, t)`` of a weight shard's logits, one grid tile of logits at a time, the
+    logits of a block of rows ``r0:r1`` against a tile buffer (:func:`_weight_tile`) of ``slot``
+    being ``tile_of(hb, w, b, r0, r1, slot)`` (``tile`` columns, -inf outside the slot's; it also
+    picks the label logits): the loop of the plain and the sampler's paths, which differ only in that."""
     stats_fn = stats_fn or tile_stats_
     budget = budget or resolve_chunk_bytes(hidden.device)
     acc = result_dtype(hidden.dtype)
     lead, hdim = hidden.shape[:-1], hidden.shape[-1]
     h = hidden.reshape(-1, hdim)
     n, width = h.shape[0], weight.shape[0]
-    nt = n_tiles(width, tile)
+    slots = grid(vocab_start, width, tile)
+    nt = len(slots)
     m, s, t = _empty_stats(n, nt, acc, hidden.device, with_entropy)
     rows = _hidden_rows(h, acc, budget, tile)
-    for j in range(nt):
-        c0, c1 = j * tile, min(width, (j + 1) * tile)
-        w, b = _weight_tile(weight, bias, c0, c1, acc)
+    for j, slot in enumerate(slots):
+        w, b = _weight_tile(weight, bias, slot, acc, tile)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
-            z = tile_of(h[r0:r1].to(acc), w, b, r0, r1, c0, c1)
-            cm, cs, ct = stats_fn(z.view(r1 - r0, 1, tile), with_entropy)
+            z = tile_of(h[r0:r1].to(acc), w, b, r0, r1, slot)
+            cm, cs, ct = stats_fn(z.view(r1 - r0, 1, tile), with_entropy, _reference_rows(reference, slice(r0, r1)))
             m[r0:r1, j], s[r0:r1, j] = cm[:, 0], cs[:, 0]
             if t is not None:
                 t[r0:r1, j] = ct[:, 0]
@@ -225,11 +255,11 @@ def _hidden_tile_stats(hidden, weight, bias, *, tile, with_entropy, budget, stat
     return m.view(tiles), s.view(tiles), None if t is None else t.view(tiles)
 
 
-def _hidden_tile_grad(hidden, weight, bias, *, acc, tile, needs_grad, budget, dz_of):
-    """The hidden, weight and bias gradients (see :func:`hidden_shard_grad`), one tile of logits at a
-    time, the gradient of a block of rows ``r0:r1``'s logits against the weight's columns ``c0:c1``
-    being ``dz_of(hb, w, b, r0, r1, c0, c1)``: the loop of the plain and the sampler's paths, which
-    differ only in that."""
+def _hidden_tile_grad(hidden, weight, bias, *, vocab_start, acc, tile, needs_grad, budget, dz_of):
+    """The hidden, weight and bias gradients (see :func:`hidden_shard_grad`), one grid tile of logits
+    at a time, the gradient of a block of rows ``r0:r1``'s logits against a tile buffer of ``slot``
+    being ``dz_of(hb, w, b, r0, r1, slot)`` (``tile`` columns, 0 outside the slot's): the loop of the
+    plain and the sampler's paths, which differ only in that."""
     budget = budget or resolve_chunk_bytes(hidden.device)
     need_h, need_w, need_b = needs_grad
     need_b = need_b and bias is not None
@@ -241,15 +271,15 @@ def _hidden_tile_grad(hidden, weight, bias, *, acc, tile, needs_grad, budget, dz
     gw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_w else None
     gb = torch.empty(bias.shape, dtype=bias.dtype, device=dev) if need_b else None
     rows = _hidden_rows(h, acc, budget, tile)
-    for j in range(n_tiles(width, tile)):
-        c0, c1 = j * tile, min(width, (j + 1) * tile)
-        w, b = _weight_tile(weight, bias, c0, c1, acc)
-        gw_j = torch.zeros(c1 - c0, hdim, dtype=acc, device=dev) if need_w else None
-        gb_j = torch.zeros(c1 - c0, dtype=acc, device=dev) if need_b else None
+    for slot in grid(vocab_start, width, tile):
+        c0, c1, p0, p1 = slot.c0, slot.c1, slot.p0, slot.p1
+        w, b = _weight_tile(weight, bias, slot, acc, tile)
+        gw_j = torch.zeros(tile, hdim, dtype=acc, device=dev) if need_w else None
+        gb_j = torch.zeros(tile, dtype=acc, device=dev) if need_b else None
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             hb = h[r0:r1].to(acc)
-            dz = dz_of(hb, w, b, r0, r1, c0, c1)
+            dz = dz_of(hb, w, b, r0, r1, slot)
             if need_h:
                 add_matmul(gh[r0:r1], dz, w)
             if need_w:
@@ -257,15 +287,15 @@ def _hidden_tile_grad(hidden, weight, bias, *, acc, tile, needs_grad, budget, dz
             if need_b:
                 gb_j += pad_rows(dz).sum(0)
         if need_w:
-            gw[c0:c1].copy_(gw_j)
+            gw[c0:c1].copy_(gw_j[p0:p1])
         if need_b:
-            gb[c0:c1].copy_(gb_j)
+            gb[c0:c1].copy_(gb_j[p0:p1])
     return None if gh is None else gh.view(hidden.shape), gw, gb
 
 
 def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy,
                        budget: Optional[int] = None, stats_fn: Optional[TileStats] = None, softcap=None, keep=None,
-                       boundary=None, logits_dtype=None):
+                       boundary=None, logits_dtype=None, reference=None):
     """Per-tile statistics of ``hidden @ weight.T + bias`` for a weight shard, one tile of logits at a time
     (``budget``: bytes of a tile of logits, default :func:`._hidden.resolve_chunk_bytes`; ``stats_fn``:
     a backend's own tile statistics, as ``compiled`` and ``triton`` pass)."""
@@ -273,20 +303,22 @@ def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, tempe
         return sampled_hidden_shard_stats(hidden, weight, labels, bias=bias, vocab_start=vocab_start, tile=tile,
                                           temperature=temperature, ignore_index=ignore_index,
                                           with_entropy=with_entropy, softcap=softcap, keep=keep, boundary=boundary,
-                                          logits_dtype=logits_dtype, budget=budget, stats_fn=stats_fn)
+                                          logits_dtype=logits_dtype, budget=budget, stats_fn=stats_fn,
+                                          reference=reference)
     lead = hidden.shape[:-1]
     owned, column = label_columns(labels, vocab_start, weight.shape[0], ignore_index)
     picked = torch.zeros(labels_rows(lead), dtype=result_dtype(hidden.dtype), device=hidden.device)
 
-    def tile_of(hb, w, b, r0, r1, c0, c1):
-        z = _tile_logits(hb, w, b, temperature, tile)
+    def tile_of(hb, w, b, r0, r1, slot):
+        c0, c1 = slot.c0, slot.c1
+        z = _tile_logits(hb, w, b, temperature, slot)
         inside = owned[r0:r1] & (column[r0:r1] >= c0) & (column[r0:r1] < c1)
-        got = z.gather(1, (column[r0:r1] - c0).clamp(0, c1 - c0 - 1).unsqueeze(1)).squeeze(1)
+        got = z.gather(1, (column[r0:r1] - c0).clamp(0, c1 - c0 - 1).add_(slot.p0).unsqueeze(1)).squeeze(1)
         picked[r0:r1] = torch.where(inside, got, picked[r0:r1])
         return z
 
-    m, s, t = _hidden_tile_stats(hidden, weight, bias, tile=tile, with_entropy=with_entropy, budget=budget,
-                                 stats_fn=stats_fn, tile_of=tile_of)
+    m, s, t = _hidden_tile_stats(hidden, weight, bias, vocab_start=vocab_start, tile=tile, with_entropy=with_entropy,
+                                 budget=budget, stats_fn=stats_fn, tile_of=tile_of, reference=reference)
     return m, s, t, picked.view(lead)
 
 
@@ -307,15 +339,16 @@ def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_
     g_ent = None if grad_entropy is None else grad_entropy.reshape(-1)
     owned, column = label_columns(labels, vocab_start, weight.shape[0], None)
 
-    def dz_of(hb, w, b, r0, r1, c0, c1):
-        z = _tile_logits(hb, w, b, temperature, c1 - c0)
+    def dz_of(hb, w, b, r0, r1, slot):
+        c0, c1 = slot.c0, slot.c1
+        z = _tile_logits(hb, w, b, temperature, slot)
         inside = owned[r0:r1] & (column[r0:r1] >= c0) & (column[r0:r1] < c1)
         return _dz(z, lse[r0:r1], None if entropy is None else entropy[r0:r1],
                    None if g_lp is None else g_lp[r0:r1], None if g_ent is None else g_ent[r0:r1],
-                   inside, (column[r0:r1] - c0).clamp(0, c1 - c0 - 1), temperature)
+                   inside, (column[r0:r1] - c0).clamp(0, c1 - c0 - 1).add_(slot.p0), temperature)
 
-    return _hidden_tile_grad(hidden, weight, bias, acc=lse.dtype, tile=tile, needs_grad=needs_grad, budget=budget,
-                             dz_of=dz_of)
+    return _hidden_tile_grad(hidden, weight, bias, vocab_start=vocab_start, acc=lse.dtype, tile=tile,
+                             needs_grad=needs_grad, budget=budget, dz_of=dz_of)
 
 
 # ------------------------------------------------- the sampler's processing (feature shard_sampler)
@@ -356,11 +389,12 @@ def _processed_block(x, first_id, temperature, softcap, keep, boundary, acc, log
 
 
 def sampled_shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, softcap,
-                        keep, boundary, budget: int, stats_fn: Optional[TileStats] = None):
+                        keep, boundary, budget: int, stats_fn: Optional[TileStats] = None, reference=None):
     stats_fn = stats_fn or tile_stats_
     acc = result_dtype(logits.dtype)
     lead, width = logits.shape[:-1], logits.shape[-1]
-    n, nt = labels_rows(lead), n_tiles(width, tile)
+    offset = vocab_start % tile
+    n, nt = labels_rows(lead), n_tiles(offset + width, tile)
     m, s, t = _empty_stats(n, nt, acc, logits.device, with_entropy)
     lab = None if labels is None else labels.reshape(n, -1)
     picked = None if labels is None else torch.zeros(lab.shape, dtype=acc, device=logits.device)
@@ -376,9 +410,8 @@ def sampled_shard_stats(logits, labels, *, vocab_start, tile, temperature, ignor
             owned, value = kit.shard_label_values(z, kept, lab[sl], vocab_start, ignore_index)
             picked[sl] = torch.where(owned, value, 0.0)
         kit.shard_masked(z, kept)
-        if nt * tile != width:
-            z = torch.nn.functional.pad(z, (0, nt * tile - width), value=float("-inf"))
-        cm, cs, ct = stats_fn(z.view(r, nt, tile), with_entropy)
+        z = _on_grid(z, offset, nt, tile)
+        cm, cs, ct = stats_fn(z.view(r, nt, tile), with_entropy, _reference_rows(reference, sl))
         m[sl], s[sl] = cm, cs
         if t is not None:
             t[sl] = ct
@@ -442,9 +475,9 @@ def shard_topk(logits, *, vocab_start, temperature, k, decision, softcap=None, k
     return values.view(*lead, k), ids.view(*lead, k)
 
 
-def _tile_raw(h, w, b, width):
-    """``h @ w.T + b`` for a block of rows (no temperature), in the compute dtype, ``width`` columns."""
-    return _tile_logits(h, w, b, 1.0, width)
+def _tile_raw(h, w, b):
+    """``h @ w.T + b`` for a block of rows against a tile buffer (no temperature), in the compute dtype."""
+    return _tile_logits(h, w, b, 1.0)
 
 
 def _tile_processing(n, *, vocab_start, temperature, softcap, keep, boundary, acc, logits_dtype):
@@ -453,8 +486,9 @@ def _tile_processing(n, *, vocab_start, temperature, softcap, keep, boundary, ac
     ``c0:c1``), for the fused op's statistics and gradient alike."""
     keep, boundary = _flat_keep(keep, n), _flat_boundary(boundary)
 
-    def process(hb, w, b, r0, r1, c0, c1):
-        x = _tile_raw(hb, w, b, c1 - c0)
+    def process(hb, w, b, r0, r1, slot):
+        c0, c1 = slot.c0, slot.c1
+        x = _tile_raw(hb, w, b)[:, slot.p0:slot.p1]
         return _processed_block(x, vocab_start + c0, _temperature_rows(temperature, slice(r0, r1)), softcap,
                                 None if keep is None else keep[r0:r1, c0:c1], _part(boundary, slice(r0, r1)),
                                 acc, logits_dtype)
@@ -464,7 +498,7 @@ def _tile_processing(n, *, vocab_start, temperature, softcap, keep, boundary, ac
 
 def sampled_hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index,
                                with_entropy, softcap, keep, boundary, logits_dtype, budget: Optional[int] = None,
-                               stats_fn: Optional[TileStats] = None):
+                               stats_fn: Optional[TileStats] = None, reference=None):
     """hidden_shard_stats with the sampler's processing, one tile of logits at a time."""
     acc = result_dtype(hidden.dtype)
     n = labels_rows(hidden.shape[:-1])
@@ -473,17 +507,15 @@ def sampled_hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, til
     process = _tile_processing(n, vocab_start=vocab_start, temperature=temperature, softcap=softcap, keep=keep,
                                boundary=boundary, acc=acc, logits_dtype=logits_dtype)
 
-    def tile_of(hb, w, b, r0, r1, c0, c1):
-        _, z, kept = process(hb, w, b, r0, r1, c0, c1)
-        owned, value = kit.shard_label_values(z, kept, lab[r0:r1], vocab_start + c0, ignore_index)
+    def tile_of(hb, w, b, r0, r1, slot):
+        _, z, kept = process(hb, w, b, r0, r1, slot)
+        owned, value = kit.shard_label_values(z, kept, lab[r0:r1], vocab_start + slot.c0, ignore_index)
         picked[r0:r1] = torch.where(owned, value, picked[r0:r1])
         kit.shard_masked(z, kept)
-        if c1 - c0 < tile:
-            z = torch.nn.functional.pad(z, (0, tile - (c1 - c0)), value=float("-inf"))
-        return z
+        return _on_grid(z, slot.p0, 1, tile)
 
-    m, s, t = _hidden_tile_stats(hidden, weight, bias, tile=tile, with_entropy=with_entropy, budget=budget,
-                                 stats_fn=stats_fn, tile_of=tile_of)
+    m, s, t = _hidden_tile_stats(hidden, weight, bias, vocab_start=vocab_start, tile=tile, with_entropy=with_entropy,
+                                 budget=budget, stats_fn=stats_fn, tile_of=tile_of, reference=reference)
     return m, s, t, picked.view(labels.shape)
 
 
@@ -500,16 +532,17 @@ def sampled_hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprob
     process = _tile_processing(n, vocab_start=vocab_start, temperature=temperature, softcap=softcap, keep=keep,
                                boundary=boundary, acc=acc, logits_dtype=logits_dtype)
 
-    def dz_of(hb, w, b, r0, r1, c0, c1):
-        xr, z, kept = process(hb, w, b, r0, r1, c0, c1)
-        dz = kit.shard_grad_z(z, kept, lab[r0:r1], vocab_start + c0, lse[r0:r1],
+    def dz_of(hb, w, b, r0, r1, slot):
+        xr, z, kept = process(hb, w, b, r0, r1, slot)
+        dz = kit.shard_grad_z(z, kept, lab[r0:r1], vocab_start + slot.c0, lse[r0:r1],
                               None if entropy is None else entropy[r0:r1], None if g_lp is None else g_lp[r0:r1],
                               None if g_ent is None else g_ent[r0:r1])
-        return kit.shard_chain(dz, xr, temperature=_temperature_rows(temperature, slice(r0, r1)), softcap=softcap,
-                               logits_dtype=logits_dtype)
+        dz = kit.shard_chain(dz, xr, temperature=_temperature_rows(temperature, slice(r0, r1)), softcap=softcap,
+                             logits_dtype=logits_dtype)
+        return torch.nn.functional.pad(dz, (slot.p0, tile - slot.p1))  # the tile's shape, zeros outside the slot
 
-    return _hidden_tile_grad(hidden, weight, bias, acc=acc, tile=tile, needs_grad=needs_grad, budget=budget,
-                             dz_of=dz_of)
+    return _hidden_tile_grad(hidden, weight, bias, vocab_start=vocab_start, acc=acc, tile=tile,
+                             needs_grad=needs_grad, budget=budget, dz_of=dz_of)
 
 
 def hidden_shard_topk(hidden, weight, *, bias, vocab_start, temperature, k, decision, softcap=None, keep=None,
@@ -522,16 +555,16 @@ def hidden_shard_topk(hidden, weight, *, bias, vocab_start, temperature, k, deci
     h = hidden.reshape(-1, hdim)
     n, width = h.shape[0], weight.shape[0]
     keep, boundary = _flat_keep(keep, n), _flat_boundary(boundary)
-    rows = _hidden_rows(h, acc, budget, 4096)
+    tile = kit.TILE
+    rows = _hidden_rows(h, acc, budget, tile)
     parts_v, parts_i = [], []
-    tile = 4096
-    for j in range(n_tiles(width, tile)):
-        c0, c1 = j * tile, min(width, (j + 1) * tile)
-        w, b = _weight_tile(weight, bias, c0, c1, acc)
+    for slot in grid(vocab_start, width, tile):
+        c0, c1 = slot.c0, slot.c1
+        w, b = _weight_tile(weight, bias, slot, acc, tile)
         vs, is_ = [], []
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
-            x = _tile_raw(h[r0:r1].to(acc), w, b, c1 - c0)
+            x = _tile_raw(h[r0:r1].to(acc), w, b)[:, slot.p0:slot.p1]
             xr = kit.shard_rounded(x, logits_dtype)
             z, y = kit.shard_processed(xr, temperature=_temperature_rows(temperature, slice(r0, r1)),
                                        softcap=softcap, acc=acc, logits_dtype=logits_dtype)

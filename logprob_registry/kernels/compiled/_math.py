@@ -93,22 +93,31 @@ def _grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float, cap: O
     return (grad * inv_t).to(x.dtype)
 
 
-def _tile_stats(x, k: float):
-    """Per row of a (rows, TILE) block of one vocabulary tile: the raw max, and the sum of exp2(a)
-    with a = (x - max) * k (0 for a tile of nothing but -inf)."""
-    xf = _upcast(x)
-    m = xf.amax(-1, keepdim=True)
-    a = (xf - torch.where(m == float("-inf"), 0.0, m)) * k
-    return m, torch.exp2(a).sum(-1, keepdim=True)
+_QUANTUM = float(2 ** 40)  # kit.QUANTUM_BITS: a tile's exact sums (see logprob_registry.distributed.tiles)
 
 
-def _tile_stats_entropy(x, k: float):
-    """As :func:`_tile_stats`, plus the sum of exp2(a) * a (0 where x is -inf)."""
-    xf = _upcast(x)
-    m = xf.amax(-1, keepdim=True)
-    a = (xf - torch.where(m == float("-inf"), 0.0, m)) * k
-    e = torch.exp2(a)
-    return m, e.sum(-1, keepdim=True), torch.where(e == 0, 0.0, e * a).sum(-1, keepdim=True)
+def _exact(x):
+    """The exact sum over the last dim of x rounded to multiples of 2**-40 (kit.exact_sum), kept dim."""
+    return torch.round(x * _QUANTUM).to(torch.float64).sum(-1, keepdim=True) * (1.0 / _QUANTUM)
+
+
+def _tile_stats(x, inv_t: float, ref):
+    """Per row of a (rows, TILE) block of one grid tile: with z = x * inv_t, the max of z and of
+    ``ref`` (rows, 1; -inf for none), and the exact sum of e = exp(z - max) (0 for a tile of nothing
+    but -inf)."""
+    z = _upcast(x) * inv_t
+    m = torch.maximum(z.amax(-1, keepdim=True), ref)
+    e = torch.exp(z - torch.where(m == float("-inf"), 0.0, m))
+    return m, _exact(e)
+
+
+def _tile_stats_entropy(x, inv_t: float, ref):
+    """As :func:`_tile_stats`, plus the exact sum of e * (z - max) (0 where z is -inf)."""
+    z = _upcast(x) * inv_t
+    m = torch.maximum(z.amax(-1, keepdim=True), ref)
+    d = z - torch.where(m == float("-inf"), 0.0, m)
+    e = torch.exp(d)
+    return m, _exact(e), _exact(torch.where(e == 0, 0.0, e * d))
 
 
 def _bwd(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float):

@@ -1,13 +1,14 @@
 """``compiled``'s vocabulary-parallel ops (see :mod:`logprob_registry.distributed`).
 
-``shard_stats``: one compiled kernel (:func:`._kernels._tile_stats`) reduces each row of a
-contiguous ``(rows, TILE)`` block: a block of rows of the shard viewed as whole tiles where it is
-contiguous and a multiple of the tile wide, else copied, a block at a time, into a buffer padded
-with -inf. Every call has that one layout, and the kernel is compiled in inductor's deterministic
-and batch-invariant modes with split reductions off, so a row's reduction runs inside one program
-in an order set by the tile alone: a tile's statistics are bitwise the same whatever the rows, the
-shard or the group. The max and the label's logit are scaled by ``1 / temperature`` eagerly, with the same
-operation, so that a label at the tile's maximum is exactly it.
+``shard_stats``: one compiled kernel (:func:`._math._tile_stats`) reduces each row of a
+contiguous ``(rows, TILE)`` block of one grid tile: a block of rows of the shard viewed as whole
+tiles where it starts on the grid and is contiguous and a multiple of the tile wide, else copied, a
+block at a time, into a buffer at the columns' places in their tiles, -inf around them. Every call
+has that one layout, and the kernel is compiled in inductor's deterministic and batch-invariant
+modes with split reductions off; its sums are exact (``kit.exact_sum``'s terms, added in float64),
+so a tile's statistics are bitwise the same whatever the rows, the shard, the group or the pieces
+it comes in. ``z = logits * (1 / temperature)`` inside the kernel and for the label's logit, with
+the same operation, so that a label at the tile's maximum is exactly it.
 
 ``shard_grad``: the backend's own one-pass gradient kernel with the merged statistics (``m = 0``,
 ``log2 s = lse * log2 e``) and the label's column within the shard (outside it: no one-hot).
@@ -22,10 +23,10 @@ import math
 
 import torch
 
-from logprob_registry.kit import label_columns, n_tiles, result_dtype
+from logprob_registry.kit import grid_offset, label_columns, n_tiles, result_dtype
 
 from ..chunked import _shards as chunked_shards
-from ._kernels import LN2, LOG2E, _run
+from ._kernels import _run
 from ._ops import _grad, _grad_args, _overlapping, _plain, _planes, _rows, _take
 
 #: Bytes of the block of rows one kernel call reduces (a copy only where the rows cannot be viewed
@@ -33,21 +34,23 @@ from ._ops import _grad, _grad_args, _overlapping, _plain, _planes, _rows, _take
 BLOCK_BYTES = 16 << 20
 
 
-def _tile_block(block: torch.Tensor, k: float, with_entropy: bool):
-    """Per row of ``block`` (rows, TILE), contiguous: raw max, sum of exp2, sum of exp2 * a, each
-    (rows,). Every call has this one layout, so one compiled kernel, one order, serves them all."""
+def _tile_block(block: torch.Tensor, inv_t: float, ref: torch.Tensor, with_entropy: bool):
+    """Per row of ``block`` (rows, TILE), contiguous, against ``ref`` (rows, 1; -inf for none): the
+    max of ``z = block * inv_t``, the exact sums, each (rows,). Every call has this one layout, so
+    one compiled kernel, one order, serves them all."""
     name = "tile_stats_entropy" if with_entropy else "tile_stats"
     if block.shape[0] == 1:  # a dim of size 1 would get a kernel of its own: the row twice, contiguous
-        outs = _run(name, block.expand(2, -1).contiguous(), k)
+        outs = _run(name, block.expand(2, -1).contiguous(), inv_t, ref.expand(2, -1).contiguous())
         return tuple(o[:1].reshape(1) for o in outs)
-    return tuple(o.reshape(-1) for o in _run(name, block.detach(), k))
+    return tuple(o.reshape(-1) for o in _run(name, block.detach(), inv_t, ref))
 
 
-def _blocks(plane: torch.Tensor, tile: int):
-    """``(first row, (rows * n_tiles, tile) contiguous view or copy)`` over the rows of ``plane``."""
+def _blocks(plane: torch.Tensor, tile: int, offset: int):
+    """``(first row, (rows * n_tiles, tile) contiguous view or copy)`` over the rows of ``plane``, its
+    columns from column ``offset`` of its first grid tile."""
     r, width = plane.shape
-    nt = n_tiles(width, tile)
-    direct = width == nt * tile and plane.is_contiguous()
+    nt = n_tiles(offset + width, tile)
+    direct = offset == 0 and width == nt * tile and plane.is_contiguous()
     step = max(1, BLOCK_BYTES // (nt * tile * plane.element_size()))
     scratch = None
     for r0 in range(0, r, step):
@@ -58,36 +61,44 @@ def _blocks(plane: torch.Tensor, tile: int):
         if scratch is None:
             scratch = torch.full((min(step, r), nt * tile), float("-inf"), dtype=plane.dtype, device=plane.device)
         part = scratch[:rows.shape[0]]
-        part[:, :width].copy_(rows)
+        part[:, offset:offset + width].copy_(rows)
         yield r0, part.view(-1, tile)
 
 
-def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy):
+def _references(reference, n: int, nt: int, acc, device) -> torch.Tensor:
+    """The per-row reference (or -inf) for each of ``nt`` tiles of ``n`` rows, (n * nt, 1)."""
+    if reference is None:
+        return torch.full((n * nt, 1), float("-inf"), dtype=acc, device=device)
+    return reference.reshape(n, 1).to(acc).expand(n, nt).reshape(n * nt, 1).contiguous()
+
+
+def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, reference=None):
     acc = result_dtype(logits.dtype)
     lead, width = logits.shape[:-1], logits.shape[-1]
-    n, nt = math.prod(lead), n_tiles(width, tile)
+    offset = grid_offset(vocab_start, tile)
+    n, nt = math.prod(lead), n_tiles(offset + width, tile)
     inv_t = 1.0 / temperature
     dev = logits.device
     m = torch.empty(n, nt, dtype=acc, device=dev)
-    s = torch.empty(n, nt, dtype=acc, device=dev)
-    u = torch.empty(n, nt, dtype=acc, device=dev) if with_entropy else None
+    s = torch.empty(n, nt, dtype=torch.float64, device=dev)
+    u = torch.empty(n, nt, dtype=torch.float64, device=dev) if with_entropy else None
+    refs = _references(reference, n, nt, acc, dev)
     first = 0
     for _, plane in _planes(_rows(logits)):
-        for r0, block in _blocks(plane, tile):
-            outs = _tile_block(block, inv_t * LOG2E, with_entropy)
+        for r0, block in _blocks(plane, tile, offset):
             rows = slice(first + r0, first + r0 + block.shape[0] // nt)
+            outs = _tile_block(block, inv_t, refs[rows.start * nt:rows.stop * nt], with_entropy)
             m[rows], s[rows] = outs[0].view(-1, nt), outs[1].view(-1, nt)
             if u is not None:
                 u[rows] = outs[2].view(-1, nt)
         first += plane.shape[0]
-    m.mul_(inv_t)  # max(x) / T is max(x / T): the same operation as the label's logit below
     picked = None
     if labels is not None:
         owned, column = label_columns(labels, vocab_start, width, ignore_index)
         got = logits.gather(-1, column.view(*lead, 1)).reshape(-1).to(acc) * inv_t
         picked = torch.where(owned, got, 0.0).view(lead)
     tiles = tuple(lead) + (nt,)
-    return m.view(tiles), s.view(tiles), None if u is None else u.mul_(LN2).view(tiles), picked
+    return m.view(tiles), s.view(tiles), None if u is None else u.view(tiles), picked
 
 
 def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature,
@@ -110,18 +121,21 @@ def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, voc
     return _grad(rows, want, args, inplace=False).view(logits.shape)
 
 
-def _compiled_tile_stats(z3: torch.Tensor, with_entropy: bool):
+def _compiled_tile_stats(z3: torch.Tensor, with_entropy: bool, reference=None):
     """``chunked``'s tile-statistics hook: ``z3`` (rows, 1, TILE) is already ``logits / T``."""
-    outs = _tile_block(z3.view(z3.shape[0], z3.shape[2]), LOG2E, with_entropy)
+    rows = z3.shape[0]
+    outs = _tile_block(z3.view(rows, z3.shape[2]), 1.0, _references(reference, rows, 1, z3.dtype, z3.device),
+                       with_entropy)
     m, s = outs[0].unsqueeze(1), outs[1].unsqueeze(1)
-    return m, s, outs[2].mul(LN2).unsqueeze(1) if with_entropy else None
+    return m, s, outs[2].unsqueeze(1) if with_entropy else None
 
 
-def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy):
-    """``chunked``'s loop over tiles of a weight shard, with this backend's tile statistics."""
+def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy,
+                       reference=None):
+    """``chunked``'s loop over grid tiles of a weight shard, with this backend's tile statistics."""
     return chunked_shards.hidden_shard_stats(
         hidden, weight, labels, bias=bias, vocab_start=vocab_start, tile=tile, temperature=temperature,
-        ignore_index=ignore_index, with_entropy=with_entropy, stats_fn=_compiled_tile_stats)
+        ignore_index=ignore_index, with_entropy=with_entropy, stats_fn=_compiled_tile_stats, reference=reference)
 
 
 #: the fused op's backward is ``chunked``'s (its tiles are matmuls and elementwise work)

@@ -62,9 +62,9 @@ def _shard_ops():
     return _shards
 
 
-def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy):
+def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, reference=None):
     return _shard_ops().shard_stats(logits, labels, vocab_start=vocab_start, tile=tile, temperature=temperature,
-                                    ignore_index=ignore_index, with_entropy=with_entropy)
+                                    ignore_index=ignore_index, with_entropy=with_entropy, reference=reference)
 
 
 def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature,
@@ -73,10 +73,11 @@ def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, voc
                                    vocab_start=vocab_start, temperature=temperature, inplace_backward=inplace_backward)
 
 
-def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy):
+def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy,
+                       reference=None):
     return _shard_ops().hidden_shard_stats(hidden, weight, labels, bias=bias, vocab_start=vocab_start, tile=tile,
                                            temperature=temperature, ignore_index=ignore_index,
-                                           with_entropy=with_entropy)
+                                           with_entropy=with_entropy, reference=reference)
 
 
 def hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy, *, bias, vocab_start,

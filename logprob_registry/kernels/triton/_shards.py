@@ -1,12 +1,12 @@
 """``triton``'s vocabulary-parallel ops (see :mod:`logprob_registry.distributed`); imported only
 when one of them runs, like :mod:`._kernels`.
 
-``shard_stats``: :func:`_tile_stats_kernel`, one program per row and tile, reads the tile's
-``TILE`` columns at once (in the logits' dtype and strides, accumulated in float32, float64 for
-float64) and reduces them with ``tl.max`` and ``tl.sum`` over that one block. The block's shape,
-layout and number of warps depend on the tile and the dtype only, never on the rows or the shard,
-so the reduction order within a tile is fixed: a tile's statistics are bitwise the same whatever
-the group (``group_invariant``). The program that holds a row's label also writes its logit,
+``shard_stats``: :func:`_tile_stats_kernel`, one program per row and grid tile, reads the shard's
+columns of the tile at once (in the logits' dtype and strides, in float32, float64 for float64) and
+reduces them with ``tl.max`` and exact sums (each term rounded to a multiple of ``2**-40`` and
+added in float64, which never rounds: ``kit.exact_sum``'s terms). The max is exact and the sums
+do not depend on their order, so a tile's statistics are bitwise the same whatever the group, and
+its pieces on two shards add up to them (``group_invariant``). The program that holds a row's label also writes its logit,
 divided by the temperature with the same operation as the tile.
 
 ``shard_grad``: the backend's own backward kernel with the merged statistics (``m = lse``,
@@ -31,33 +31,43 @@ from ._kernels import _TL, INTERPRETED, _backward, _check_device, _geometry, _on
 
 
 @triton.jit
+def _exact_sum(x):
+    """``kit.exact_sum`` of a block: terms rounded to multiples of 2**-40 (half up), added in float64."""
+    q = tl.floor(x.to(tl.float64) * 1099511627776.0 + 0.5)
+    return tl.sum(q, 0) * (1.0 / 1099511627776.0)
+
+
+@triton.jit
 def _tile_stats_kernel(
-    x_ptr, lab_ptr, m_ptr, s_ptr, t_ptr, pick_ptr,
+    x_ptr, lab_ptr, ref_ptr, m_ptr, s_ptr, t_ptr, pick_ptr,
     V, n_tiles, D1, D2, xs0, xs1, xs2, xsv, ls0, ls1, ls2,
-    t_hi, t_lo, vocab_start, ignore_index,
+    t_hi, t_lo, vocab_start, offset, ignore_index,
     TILE: tl.constexpr, ACC: tl.constexpr, LABELS: tl.constexpr, IGNORE: tl.constexpr, ENTROPY: tl.constexpr,
+    REF: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1).to(tl.int64)
     x_row = x_ptr + _row_offset(row, D1, D2, xs0, xs1, xs2)
     temp = tl.cast(t_hi, ACC) + tl.cast(t_lo, ACC)
-    lo = tile * TILE
+    lo = tile * TILE - offset  # the grid tile's first column, in the shard's columns
     cols = lo + tl.arange(0, TILE).to(tl.int64)
-    x = tl.load(x_row + cols * xsv, mask=cols < V, other=float("-inf")).to(ACC) / temp
+    x = tl.load(x_row + cols * xsv, mask=(cols >= 0) & (cols < V), other=float("-inf")).to(ACC) / temp
     m = tl.max(x, 0)
+    if REF:
+        m = tl.maximum(m, tl.load(ref_ptr + row).to(ACC))
     ref = tl.where(m == float("-inf"), 0.0, m)
     masked = x == float("-inf")
     d = tl.where(masked, 0.0, x - ref)  # never -inf - (-inf); NaN still spreads
     e = tl.where(masked, 0.0, tl.exp(d))
     at = row * n_tiles + tile
     tl.store(m_ptr + at, m)
-    tl.store(s_ptr + at, tl.sum(e, 0))
+    tl.store(s_ptr + at, _exact_sum(e))
     if ENTROPY:
-        tl.store(t_ptr + at, tl.sum(e * d, 0))
+        tl.store(t_ptr + at, _exact_sum(e * d))
     if LABELS:
         label = tl.load(lab_ptr + _row_offset(row, D1, D2, ls0, ls1, ls2)).to(tl.int64)
         col = label - vocab_start
-        own = (col >= lo) & (col < lo + TILE) & (col < V)
+        own = (col >= lo) & (col >= 0) & (col < lo + TILE) & (col < V)
         if IGNORE:
             own = own & (label != ignore_index)
         value = tl.load(x_row + col * xsv, mask=own, other=0.0).to(ACC) / temp
@@ -68,7 +78,7 @@ def _num_warps(dtype: torch.dtype) -> int:
     return 1 if INTERPRETED else (16 if dtype == torch.float64 else 8)
 
 
-def _launch(logits, labels, m, s, t, pick, vocab_start, tile, temperature, ignore_index):
+def _launch(logits, labels, ref, m, s, t, pick, vocab_start, offset, tile, temperature, ignore_index):
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     label_strides = labels.stride() if labels is not None else (0,) * len(lead)
     geometry = _geometry(lead, logits.stride()[:-1], label_strides)
@@ -77,22 +87,22 @@ def _launch(logits, labels, m, s, t, pick, vocab_start, tile, temperature, ignor
         rows = math.prod(lead[1:])
         for i in range(lead[0]):
             sl = slice(i * rows, (i + 1) * rows)
-            _launch(logits[i], None if labels is None else labels[i], m[sl], s[sl], t[sl], pick[sl], vocab_start,
-                    tile, temperature, ignore_index)
+            _launch(logits[i], None if labels is None else labels[i], None if ref is None else ref[sl], m[sl],
+                    s[sl], t[sl], pick[sl], vocab_start, offset, tile, temperature, ignore_index)
         return
     d1, d2, (xs, ls) = geometry
     n = math.prod(lead)
     t_hi, t_lo = _split_temperature(temperature)
     _tile_stats_kernel[(n, nt)](
-        logits, labels if labels is not None else pick, m, s, t, pick,
-        vocab, nt, d1, d2, *xs, logits.stride(-1), *ls, t_hi, t_lo, int(vocab_start),
+        logits, labels if labels is not None else pick, ref if ref is not None else pick, m, s, t, pick,
+        vocab, nt, d1, d2, *xs, logits.stride(-1), *ls, t_hi, t_lo, int(vocab_start), int(offset),
         0 if ignore_index is None else int(ignore_index),
         TILE=tile, ACC=_TL[m.dtype], LABELS=labels is not None, IGNORE=ignore_index is not None,
-        ENTROPY=t is not m, num_warps=_num_warps(m.dtype),
+        ENTROPY=t is not s, REF=ref is not None, num_warps=_num_warps(m.dtype),
     )
 
 
-def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy):
+def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, reference=None):
     _check_device(logits)
     if tile & (tile - 1):
         raise ValueError(f"the triton backend needs a power-of-two tile, got {tile}")
@@ -100,15 +110,17 @@ def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index,
         ignore_index = None  # no int64 label can equal it
     acc = result_dtype(logits.dtype)
     lead, width = logits.shape[:-1], logits.shape[-1]
-    n, nt = math.prod(lead), -(-width // tile)
+    offset = vocab_start % tile
+    n, nt = math.prod(lead), -(-(offset + width) // tile)
     dev = logits.device
     m = torch.empty(n, nt, dtype=acc, device=dev)
-    s = torch.empty(n, nt, dtype=acc, device=dev)
-    t = torch.empty(n, nt, dtype=acc, device=dev) if with_entropy else m
+    s = torch.empty(n, nt, dtype=torch.float64, device=dev)
+    t = torch.empty(n, nt, dtype=torch.float64, device=dev) if with_entropy else s
     pick = torch.zeros(n, dtype=acc, device=dev)
+    ref = None if reference is None else reference.reshape(n).to(device=dev, dtype=acc).contiguous()
     if n:
         with _on(dev):
-            _launch(logits, labels, m, s, t, pick, vocab_start, tile, temperature, ignore_index)
+            _launch(logits, labels, ref, m, s, t, pick, vocab_start, offset, tile, temperature, ignore_index)
     tiles = tuple(lead) + (nt,)
     return (m.view(tiles), s.view(tiles), t.view(tiles) if with_entropy else None,
             pick.view(lead) if labels is not None else None)
@@ -125,18 +137,19 @@ def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, voc
     return _backward(logits, local, grad_logprobs, grad_entropy, ent, m, log_s, temperature, None, inplace_backward)
 
 
-def _triton_tile_stats(z3: torch.Tensor, with_entropy: bool):
-    """``chunked``'s tile-statistics hook: ``z3`` (rows, 1, TILE) is already ``logits / T``."""
+def _triton_tile_stats(z3: torch.Tensor, with_entropy: bool, reference=None):
+    """``chunked``'s tile-statistics hook: ``z3`` (rows, 1, TILE) is already ``logits / T``, on the grid."""
     m, s, t, _ = shard_stats(z3.view(z3.shape[0], z3.shape[2]), None, vocab_start=0, tile=z3.shape[2],
-                             temperature=1.0, ignore_index=None, with_entropy=with_entropy)
+                             temperature=1.0, ignore_index=None, with_entropy=with_entropy, reference=reference)
     return m, s, t
 
 
-def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy):
-    """``chunked``'s loop over tiles of a weight shard, with this backend's tile statistics."""
+def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy,
+                       reference=None):
+    """``chunked``'s loop over grid tiles of a weight shard, with this backend's tile statistics."""
     return chunked_shards.hidden_shard_stats(
         hidden, weight, labels, bias=bias, vocab_start=vocab_start, tile=tile, temperature=temperature,
-        ignore_index=ignore_index, with_entropy=with_entropy, stats_fn=_triton_tile_stats)
+        ignore_index=ignore_index, with_entropy=with_entropy, stats_fn=_triton_tile_stats, reference=reference)
 
 
 #: the fused op's backward is ``chunked``'s (its tiles are matmuls and elementwise work)

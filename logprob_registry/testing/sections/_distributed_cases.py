@@ -9,10 +9,11 @@ The families, one module each:
 - ``"kl"`` (:mod:`._distributed_kl`): ``kl_divergence``, logits or hidden states on both sides;
 - ``"sampler"`` (:mod:`._distributed_sampler`): the sampler's keywords.
 
-One spawn of four processes covers groups of 1, 2 and 4 ranks: every rank alone (four groups of
-one), two groups of two (ranks 0 and 1 split the vocabulary evenly with the default
-``vocab_start``; ranks 2 and 3 unevenly, in reverse order, with explicit ``vocab_start``), and the
-default group of four (:func:`._distributed_common.split`). Every case of a family runs in each.
+One spawn of four processes covers groups of 1, 2, 3 and 4 ranks: every rank alone (four groups
+of one), two groups of two (ranks 0 and 1 split the vocabulary evenly with the default
+``vocab_start``; ranks 2 and 3 unevenly, off the tile grid, in reverse order, with explicit
+``vocab_start``), a group of three (ranks 0 to 2, uneven widths off the grid) and the default group
+of four (:func:`._distributed_common.split`). Every case of a family runs in each.
 What the families share is :mod:`._distributed_common`.
 """
 
@@ -23,7 +24,7 @@ from typing import Dict, List, Tuple
 from . import _distributed_kl as kl
 from . import _distributed_logits as logits
 from . import _distributed_sampler as sampler
-from ._distributed_common import KINDS, KL_SHARD_OPS, WORLD, Case, same_bits
+from ._distributed_common import GROUPS, KINDS, KL_SHARD_OPS, WORLD, Case, on_grid, same_bits
 
 #: family name -> its module: ``run(rank, groups, backend, device, names)`` on a rank, and (logits,
 #: kl) ``cases``, ``inputs``, ``reference``, ``output_tolerances`` for the parent's checks.
@@ -33,7 +34,7 @@ FAMILIES = {"logits": logits, "kl": kl, "sampler": sampler}
 def program(rank: int, world: int, backend: str, device: str, families: Dict[str, Tuple[str, ...]]) -> dict:
     """What every rank of the spawned group of four runs: for each family named in ``families``
     (family -> the names of its cases to run; a family with none is not run), its cases in this
-    rank's groups of 1, 2 and 4; returns ``{family: that family's results}``."""
+    rank's groups of 1, 2, 3 and 4; returns ``{family: that family's results}``."""
     import torch.distributed as dist
 
     if world != WORLD:
@@ -43,7 +44,9 @@ def program(rank: int, world: int, backend: str, device: str, families: Dict[str
         raise ValueError(f"no case family named {unknown}; the families are {sorted(FAMILIES)}")
     singles = [dist.new_group([r]) for r in range(world)]   # every rank calls new_group for every group
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    groups = {"single": singles[rank], "pair": pairs[rank // 2], "world": dist.group.WORLD, "pairs": pairs}
+    triple = dist.new_group([0, 1, 2])
+    groups = {"single": singles[rank], "pair": pairs[rank // 2], "triple": triple if rank < 3 else None,
+              "world": dist.group.WORLD, "pairs": pairs}
     return {name: FAMILIES[name].run(rank, groups, backend, device, tuple(names))
             for name, names in families.items() if names}
 
@@ -70,5 +73,5 @@ def output_tolerances(case: Case, data) -> tuple:
     return family_of(case).output_tolerances(case, data)
 
 
-__all__ = ["FAMILIES", "KINDS", "KL_SHARD_OPS", "WORLD", "Case", "cases", "family_of", "inputs", "output_tolerances",
-           "program", "reference", "same_bits"]
+__all__ = ["FAMILIES", "GROUPS", "KINDS", "KL_SHARD_OPS", "WORLD", "Case", "cases", "family_of", "inputs", "output_tolerances",
+           "on_grid", "program", "reference", "same_bits"]

@@ -13,10 +13,13 @@ import torch
 
 WORLD = 4
 SHAPE = (2, 3)            # leading dims of every case
-VOCAB = 16384             # four tiles of 4096: every split below is tile-aligned
-ODD_VOCAB = 13192         # 8192 + 5000: not a multiple of the tile; values only
+VOCAB = 16384             # four tiles of 4096: the even splits are on the tile grid, the others off it
+ODD_VOCAB = 13192         # 8192 + 5000: not a multiple of the tile
 HIDDEN = 32
-KINDS = ("single", "pair", "world")  # groups of 1, 2 and 4 ranks
+KINDS = ("single", "pair", "triple", "world")  # groups of 1, 2, 3 and 4 ranks
+#: The groups of each kind, by their ranks (one spawn of four processes holds them all).
+GROUPS = {"single": ((0,), (1,), (2,), (3,)), "pair": ((0, 1), (2, 3)), "triple": ((0, 1, 2),),
+          "world": ((0, 1, 2, 3),)}
 IGNORE = -100
 
 
@@ -36,10 +39,6 @@ class Case:
     inplace: bool = False         # inplace_backward=True, on a non-leaf
     direction: str = "forward"    # kl_divergence
     hidden: bool = False          # kl_divergence: both sides hidden states with weight shards (kl_hidden)
-
-    @property
-    def aligned(self) -> bool:
-        return self.vocab == VOCAB
 
     @property
     def kl(self) -> bool:
@@ -66,16 +65,33 @@ def hash_name(name: str) -> int:
     return int(hashlib.sha1(name.encode()).hexdigest()[:8], 16)
 
 
+def member(kind: str, rank: int) -> bool:
+    """Whether ``rank`` is in a group of ``kind`` (rank 3 has no group of three)."""
+    return any(rank in members for members in GROUPS[kind])
+
+
 def split(kind: str, rank: int, vocab: int) -> Tuple[int, int, bool]:
-    """``(start, width, pass vocab_start)`` of ``rank``'s shard in a group of ``kind``."""
+    """``(start, width, pass vocab_start)`` of ``rank``'s shard in a group of ``kind``: even
+    splits with the default ``vocab_start`` (the group of four, ranks 0 and 1 of the pairs), and
+    uneven ones off the tile grid with explicit ``vocab_start`` (ranks 2 and 3 of the pairs, in
+    reverse order; the group of three, widths not multiples of 128)."""
     if kind == "single":
         return 0, vocab, False
     if kind == "world":
         return rank * (vocab // WORLD), vocab // WORLD, False
+    if kind == "triple":
+        cuts = (0, vocab * 5 // 16 + 7, vocab * 11 // 16 - 13, vocab)
+        return cuts[rank], cuts[rank + 1] - cuts[rank], True
     if rank < 2:  # ranks 0 and 1: even halves, default vocab_start
         return (rank % 2) * (vocab // 2), vocab // 2, False
-    tail = 4096 if vocab % 4096 == 0 else vocab - 8192
+    tail = vocab // 3 + 1
     return (vocab - tail, tail, True) if rank == 2 else (0, vocab - tail, True)  # reversed, explicit
+
+
+def on_grid(kind: str, members: Tuple[int, ...], vocab: int) -> bool:
+    """Whether every shard of that group starts at a multiple of the tile (kl_divergence's
+    statistics are bitwise independent of the group only then)."""
+    return all(split(kind, r, vocab)[0] % 4096 == 0 for r in members)
 
 
 def digest(t: Optional[torch.Tensor]) -> str:
@@ -110,6 +126,8 @@ def run_cases(family, group, kind: str, rank: int, backend: str, device: str, na
     and ``gradient_excess``) in this rank's ``group`` of ``kind``; ``singles`` keeps each case's
     gradients alone (the groups of one run first), against which the others are compared bitwise."""
     out: Dict[str, Outcome] = {}
+    if group is None:  # not a member of a group of this kind
+        return out
     for case in family.cases():
         if case.name not in names:
             continue

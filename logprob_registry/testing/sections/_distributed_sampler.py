@@ -1,7 +1,7 @@
 """The sampler family of the conformance suite's distributed section (:mod:`._distributed_cases`
 runs it): the sampler's keywords with ``process_group=`` (softcap, keep mask and ids, top_k, top_p,
 min_p, candidate labels, logits_dtype, topk_logprobs, a per-row temperature, ``sampler="hf"`` /
-``"sglang"``) in groups of 1, 2 and 4. Every case's outputs on every rank and each rank's shard
+``"sglang"``) in groups of 1, 2, 3 and 4. Every case's outputs on every rank and each rank's shard
 gradient come back; :func:`sampler_problems` compares them with each other (bits) and with the
 unsharded float64 reference (the numerical contract). Imports no pytest: it runs in the spawned
 processes."""
@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ... import reference as ref
-from ._distributed_common import KINDS, WORLD, hash_name, same_bits, split
+from ._distributed_common import KINDS, WORLD, hash_name, member, same_bits, split
 
 FAMILY = "sampler"
 
@@ -195,7 +195,7 @@ def run(rank: int, groups: Dict[str, Any], backend: str, device: str, names: Tup
     for kind in KINDS:
         group = groups[kind]
         result[kind] = {}
-        for name in names:
+        for name in (names if group is not None else ()):  # not a member of a group of this kind
             data = sampler_data(name)
             start, width, give = split(kind, rank, SAMPLER_VOCAB)
             outs, grads = _sampler_call(name, data, start, width, group, backend, give, device)
@@ -252,7 +252,7 @@ def sampler_problems(ranks: List[dict], names: Tuple[str, ...], invariant: bool)
     :func:`run`): outputs against float64 (-inf exactly where the reference has it),
     shard gradients against the reference's columns, every rank's outputs and, with ``invariant``
     (a backend declaring group_invariant), the same columns' gradients bitwise equal across groups
-    of 1, 2 and 4; the bad inputs' errors on every rank."""
+    of 1, 2, 3 and 4 (splits on and off the tile grid); the bad inputs' errors on every rank."""
     problems: List[str] = []
     for name in names:
         want, want_grads = sampler_reference(name)
@@ -260,6 +260,8 @@ def sampler_problems(ranks: List[dict], names: Tuple[str, ...], invariant: bool)
         first = ranks[0]["single"][name]
         for kind in KINDS:
             for rank, got_all in enumerate(ranks):
+                if not member(kind, rank):
+                    continue
                 outs, grads, start, width = got_all[kind][name]
                 where = f"{name} {kind} rank {rank}"
                 for i, (got, exp) in enumerate(zip(outs, want)):

@@ -1,6 +1,6 @@
 """The conformance section of the vocabulary-parallel path (``process_group=``): for a backend that
 implements the shard ops (``shard_stats``, ``shard_grad``; ``hidden_shard_stats``,
-``hidden_shard_grad`` for the fused op), the public functions over gloo groups of 1, 2 and 4
+``hidden_shard_grad`` for the fused op), the public functions over gloo groups of 1, 2, 3 and 4
 spawned processes.
 
 One group of four processes is spawned per backend (``"spawn"``, ``file://`` rendezvous in a fresh
@@ -22,7 +22,7 @@ What is checked:
   reference, and close to the backend's own unsharded call;
 - gradients of each shard (and of hidden, weight and bias) within the contract's tolerances;
 - for a backend declaring ``group_invariant``: results and shard gradients bitwise the same in
-  groups of 1, 2 and 4 (tile-aligned shards);
+  groups of 1, 2, 3 and 4 (uneven shards off the tile grid; kl_divergence on the grid only);
 - every bad input raises the same error on every rank, and the group stays in step.
 """
 
@@ -111,8 +111,8 @@ def _family(kl: bool) -> str:
     return "kl" if kl else "logits"
 
 
-def _groups(kind: str) -> List[Tuple[int, ...]]:
-    return {"single": [(0,), (1,), (2,), (3,)], "pair": [(0, 1), (2, 3)], "world": [(0, 1, 2, 3)]}[kind]
+def _groups(kind: str) -> Tuple[Tuple[int, ...], ...]:
+    return dc.GROUPS[kind]
 
 
 class DistributedSection:
@@ -120,14 +120,14 @@ class DistributedSection:
 
     @covers(SHARD_OPS, grad=True)
     def test_distributed_results_on_every_rank(self, lp: Harness) -> None:
-        """Every rank of groups of 1, 2 and 4 gets the same result, within the contract of the
+        """Every rank of groups of 1, 2, 3 and 4 gets the same result, within the contract of the
         float64 reference and of the backend's own unsharded call."""
         _check_results(lp, kl=False)
 
     @covers(SHARD_OPS, capability="group_invariant", declared=True)
     def test_distributed_bitwise_across_group_sizes(self, lp: Harness) -> None:
-        """Shards that start at multiples of the tile: results and shard gradients are the same
-        bits in groups of 1, 2 and 4 (even and uneven splits, any order of the ranks)."""
+        """Results and shard gradients are the same bits in groups of 1, 2, 3 and 4: even splits and
+        uneven ones whose edges are off the tile grid, in any order of the ranks."""
         _check_bitwise(lp, kl=False)
 
     @covers(SHARD_OPS, grad=True)
@@ -140,7 +140,7 @@ class DistributedSection:
     @covers(SAMPLER_SHARD_OPS, grad=True, features=("shard_sampler",))
     def test_distributed_sampler(self, lp: Harness) -> None:
         """The sampler's keywords with process_group= (softcap, keep mask and ids, top_k, candidate
-        labels, logits_dtype; float32 and bfloat16) in groups of 1, 2 and 4: every rank's outputs the
+        labels, logits_dtype; float32 and bfloat16) in groups of 1, 2, 3 and 4: every rank's outputs the
         same bits and within the contract of float64 (-inf exactly at the labels outside the kept
         set), shard gradients those of the unsharded call sliced, bitwise across group sizes for a
         backend declaring group_invariant; bad sampler input raises on every rank."""
@@ -153,14 +153,14 @@ class DistributedSection:
 
     @covers(KL_SHARD_OPS, grad=True)
     def test_distributed_kl_results_on_every_rank(self, lp: Harness) -> None:
-        """kl_divergence over groups of 1, 2 and 4: every rank gets the same KL, within the
+        """kl_divergence over groups of 1, 2, 3 and 4: every rank gets the same KL, within the
         contract of the float64 reference and of the backend's own unsharded call."""
         _check_results(lp, kl=True)
 
     @covers(KL_SHARD_OPS, capability="group_invariant", declared=True)
     def test_distributed_kl_bitwise_across_group_sizes(self, lp: Harness) -> None:
-        """kl_divergence: the KL and the student's shard gradients are the same bits in groups of
-        1, 2 and 4."""
+        """kl_divergence: the KL and the student's shard gradients are the same bits in the groups
+        whose shards start at multiples of the tile (of 1, 2 and 4)."""
         _check_bitwise(lp, kl=True)
 
     @covers(KL_SHARD_OPS, grad=True)
@@ -232,29 +232,37 @@ def _check_results(lp: Harness, kl: bool) -> None:
 
 
 def _check_bitwise(lp: Harness, kl: bool) -> None:
-    """Tile-aligned cases: results and shard gradients the same bits in groups of 1, 2 and 4."""
+    """Results and shard gradients the same bits in groups of 1, 2, 3 and 4, on uneven shards off
+    the tile grid too (kl_divergence: on the grid only, as its statistics promise)."""
     if not lp.backend.group_invariant:
         pytest.skip(f"{lp.name} does not declare group_invariant=True, so results independent of the "
                     "group size are not promised")
     ranks = [r[_family(kl)] for r in _spawned(lp, kl)]
     problems = []
     for case in _selected(lp, kl):
-        if not case.aligned:
-            continue
         base = ranks[0]["single"][case.name]
         for kind in dc.KINDS:
-            for r in range(dc.WORLD):
-                o = ranks[r][kind][case.name]
-                what = f"{case.name}, group of {len(_groups(kind)[0])}, rank {r}"
-                if not all(dc.same_bits(a, b) for a, b in zip(o.outputs, base.outputs)):
-                    problems.append(f"{what}: results differ from the group of 1 in their bits")
-                for name, same in o.bitwise.items():
-                    if not same:
-                        problems.append(f"{what}: the gradient of its {name} shard differs from the same "
-                                        "columns of the group of 1's gradient in its bits")
-                if kind == "single" and o.digests != base.digests:
-                    problems.append(f"{what}: alone, its gradients differ from rank 0's alone")
+            for members in _groups(kind):
+                if kl and not dc.on_grid(kind, members, case.vocab):
+                    continue
+                for r in members:
+                    problems += _bitwise_problems(ranks[r][kind][case.name], base, kind, r, case.name)
     assert not problems, "\n".join(problems[:12])
+
+
+def _bitwise_problems(o, base, kind: str, r: int, name: str) -> List[str]:
+    """How rank ``r``'s outcome ``o`` in a group of ``kind`` differs in its bits from ``base`` (rank 0 alone)."""
+    problems = []
+    what = f"{name}, group of {len(_groups(kind)[0])}, rank {r}"
+    if not all(dc.same_bits(a, b) for a, b in zip(o.outputs, base.outputs)):
+        problems.append(f"{what}: results differ from the group of 1 in their bits")
+    for shard, same in o.bitwise.items():
+        if not same:
+            problems.append(f"{what}: the gradient of its {shard} shard differs from the same "
+                            "columns of the group of 1's gradient in its bits")
+    if kind == "single" and o.digests != base.digests:
+        problems.append(f"{what}: alone, its gradients differ from rank 0's alone")
+    return problems
 
 
 def _check_gradients(lp: Harness, kl: bool) -> None:
