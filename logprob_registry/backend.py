@@ -28,8 +28,9 @@ CAPABILITIES: Mapping[str, str] = {
     "batch_invariant": "a row's result is bitwise independent of the other rows in the call",
     "deterministic": "the same inputs give bitwise the same results",
     "copies_logits": "it materialises a copy of the logits (the suite's no-copy checks do not apply)",
-    "group_invariant": "its shard_stats (and hidden_shard_stats) give each tile's statistics bitwise from that "
-                       "tile's own columns, so process_group= results do not depend on the group size",
+    "group_invariant": "its shard_stats (and hidden_shard_stats) give each grid tile's statistics bitwise from "
+                       "that tile's own columns, its sums exact, so process_group= results do not depend on "
+                       "the group size or the split",
 }
 
 Availability = Callable[["Environment", str], Optional[str]]

@@ -15,9 +15,13 @@ How (docs/distributed.md has the whole story):
   through the registry like any op, which checks their outputs against the op table;
 - :mod:`.header`: one small all-gather first, so that bad input raises the same error on every
   rank before any collective that could hang;
+- :mod:`.tiles`: tiles on a global grid of :data:`TILE` columns, their sums exact, so that the
+  pieces of a tile two shards share add up to its bits (:func:`.core.complete` measures them
+  against the whole tile's max);
 - :mod:`.core`: one all-gather of the tile statistics and a merge in one fixed order on every rank
-  (:mod:`.merge`), so results are bitwise independent of the group size when every shard starts at
-  a multiple of :data:`TILE` and the backend declares ``group_invariant``;
+  (:mod:`.merge`), so results are bitwise independent of the group size and of how the vocabulary
+  is split when the backend declares ``group_invariant`` (kl_divergence: when every shard starts
+  at a multiple of :data:`TILE`);
 - :mod:`.sharded`: the one skeleton (forward, autograd backward) of every public op, driven by
   the op's plan (:mod:`.kl`: kl_divergence's);
 - :mod:`.sampled`: the sampler's keywords, and the rounds of the truncation decision;

@@ -1,0 +1,194 @@
+"""Group invariance on any vocabulary (docs/distributed.md#group-invariance): with process_group=,
+results and the gradients of what is sharded are the same bits for every group size and every split
+of the vocabulary into contiguous shards of any widths, on the vocabularies people train (Qwen's
+151936, Qwen3.5's 248320, Llama 3's 128256), whose shards are not multiples of 128, let alone of
+the 4096-column tile.
+
+One spawned gloo group of four runs every case (:func:`_program`) in groups of 1, 2 (ranks in
+reverse order), 3 and 4 ranks with uneven widths, and a DTensor ``Shard(-1)`` of a 1-D mesh of
+three ranks; the tests below compare the bits with the group of one (each rank alone, the same
+process_group= path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from logprob_registry.distributed import launch
+
+B = "chunked"  # no compilation in the spawned processes
+VOCABS = (151936, 248320, 128256)
+ROWS, HIDDEN = (2, 4), 16
+GROUPS = {1: ((0,), (1,), (2,), (3,)), 2: ((1, 0), (3, 2)), 3: ((0, 1, 2),), 4: ((0, 1, 2, 3),)}
+#: name -> (op, dtype, options)
+CASES = {
+    "logits-fp32": ("logprobs_and_entropy", "float32", {}),
+    "logits-bf16-temperature": ("logprobs_and_entropy", "bfloat16", {"temperature": 0.7}),
+    "logits-top_k-top_p": ("logprobs_and_entropy", "float32", {"top_k": 50, "top_p": 0.9}),
+    "logits-bf16-top_k-temperature": ("logprobs", "bfloat16", {"top_k": 20, "temperature": 0.8}),
+    "hidden-fp32-bias": ("logprobs_from_hidden", "float32", {"bias": True}),
+    "hidden-bf16-temperature-entropy": ("logprobs_from_hidden", "bfloat16", {"temperature": 0.7,
+                                                                             "return_entropy": True}),
+    "hidden-fp32-top_p": ("logprobs_from_hidden", "float32", {"top_p": 0.8}),
+    "topk": ("topk_logprobs", "float32", {"k": 5}),
+}
+# kl_divergence keeps tiles cut from each shard's first column: bitwise across groups only when every
+# shard starts at a multiple of 4096 (the suite's distributed section checks it there).
+
+
+def widths(vocab: int, parts: int) -> tuple:
+    """Uneven widths of ``parts`` shards, none a multiple of 128 (so every edge is off the tile grid)."""
+    if parts == 1:
+        return (vocab,)
+    g = torch.Generator().manual_seed(vocab * 10 + parts)
+    while True:
+        cuts = sorted(torch.randperm(vocab - 1, generator=g)[:parts - 1].add(1).tolist())
+        out = tuple(b - a for a, b in zip([0] + cuts, cuts + [vocab]))
+        if all(w % 128 and w > 1 for w in out):
+            return out
+
+
+def _data(vocab: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return dict(logits=(torch.randn(*ROWS, vocab, generator=g) * 3).to(dtype),
+                labels=torch.randint(0, vocab, ROWS, generator=g),
+                hidden=torch.randn(*ROWS, HIDDEN, generator=g).to(dtype),
+                weight=(torch.randn(vocab, HIDDEN, generator=g) * 0.5).to(dtype),
+                bias=torch.randn(vocab, generator=g).to(dtype),
+                upstream=torch.rand(*ROWS, 2, generator=g))
+
+
+def _call(name: str, vocab: int, start: int, width: int, group, dtensor_mesh=None):
+    """The case on this rank's shard ``[start, start + width)``: (outputs, gradient of the shard,
+    gradient of the hidden states or None)."""
+    import logprob_registry as lr
+
+    op, dtype, options = CASES[name]
+    data = _data(vocab, getattr(torch, dtype), int(hashlib.sha1(name.encode()).hexdigest()[:6], 16) + vocab)
+    options = dict(options)
+    cols = slice(start, start + width)
+    kw = dict(backend=B, process_group=group, vocab_start=start)
+    if dtensor_mesh is not None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+        kw = dict(backend=B)
+        shard = distribute_tensor(data["logits"], dtensor_mesh, [Shard(-1)]).detach().requires_grad_(True)
+    else:
+        shard = data["logits"][..., cols].clone().requires_grad_(True)
+    up = data["upstream"]
+    hidden = None
+    if op == "logprobs_from_hidden":
+        hidden = data["hidden"].clone().requires_grad_(True)
+        shard = data["weight"][cols].clone().requires_grad_(True)
+        bias = data["bias"][cols] if options.pop("bias", False) else None
+        outs = lr.logprobs_from_hidden(hidden, shard, data["labels"], bias=bias, **options, **kw)
+    elif op == "topk_logprobs":
+        outs = lr.topk_logprobs(shard, options.pop("k"), **options, **kw)
+    else:
+        fn = {"logprobs": lr.logprobs_from_logits, "logprobs_and_entropy": lr.logprobs_and_entropy}[op]
+        outs = fn(shard, data["labels"], **options, **kw)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    if dtensor_mesh is not None:  # replicated DTensors: every rank's local value is the whole result
+        outs = tuple(o.to_local() if hasattr(o, "to_local") else o for o in outs)
+    loss = sum((o.float() * up[..., i:i + 1] if o.dim() > len(ROWS) else o.float() * up[..., i]).sum()
+               for i, o in enumerate(outs) if o.is_floating_point())
+    loss.backward()
+    grad = shard.grad.to_local() if dtensor_mesh is not None else shard.grad
+    return ([o.detach() for o in outs], grad,
+            None if hidden is None else hidden.grad)
+
+
+def _program(rank: int, world: int) -> dict:
+    """Every case in this rank's groups of 1, 2, 3 and 4, and through DTensor on three ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    groups = {n: [dist.new_group(list(members)) for members in GROUPS[n]] for n in (1, 2, 3)}
+    groups[4] = [dist.group.WORLD]
+    mesh = DeviceMesh("cpu", [0, 1, 2])
+    out = {}
+    for vocab in VOCABS:
+        for n, members_list in GROUPS.items():
+            for members, group in zip(members_list, groups[n]):
+                if rank not in members:
+                    continue
+                where = members.index(rank)
+                ws = widths(vocab, n)
+                start = sum(ws[:where])
+                for name in CASES:
+                    out[(vocab, n, name)] = (_call(name, vocab, start, ws[where], group), start, ws[where])
+        if rank < 3:
+            for name in ("logits-fp32", "logits-bf16-temperature", "logits-top_k-top_p"):
+                w = -(-vocab // 3)
+                start = min(rank * w, vocab)
+                out[(vocab, "dtensor", name)] = (_call(name, vocab, start, min(w, vocab - start), None, mesh),
+                                                 start, min(w, vocab - start))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    results = launch.run(4, _program, timeout=1200)
+    for r in results:
+        assert r.error is None, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}"
+    return [r.value for r in results]
+
+
+def _bits(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() + str(t.dtype)
+
+
+def _problems(ranks, vocab, name, kinds) -> list:
+    problems = []
+    (alone_outs, alone_grad, alone_hidden), _, _ = ranks[0][(vocab, 1, name)]
+    for kind in kinds:
+        for rank, got in enumerate(ranks):
+            if (vocab, kind, name) not in got:
+                continue
+            (outs, grad, hidden), start, width = got[(vocab, kind, name)]
+            what = f"V={vocab} {name}, group {kind}, rank {rank} (columns {start}:{start + width})"
+            for i, (a, b) in enumerate(zip(outs, alone_outs)):
+                if _bits(a) != _bits(b):
+                    problems.append(f"{what}: output {i} differs from the group of one's bits "
+                                    f"(max {(a.double() - b.double()).abs().max().item():.3g})")
+            cols = alone_grad[start:start + width] if CASES[name][0] == "logprobs_from_hidden" \
+                else alone_grad[..., start:start + width]
+            if _bits(grad) != _bits(cols.contiguous()):
+                problems.append(f"{what}: the shard's gradient differs from the same columns of the group of one's")
+            if hidden is not None and not torch.allclose(hidden.double(), alone_hidden.double(), rtol=1e-2,
+                                                         atol=1e-5):
+                problems.append(f"{what}: the hidden gradient is outside the contract of the group of one's")
+    return problems
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_split_gives_the_bits_of_the_group_of_one(ranks, vocab, name):
+    assert not _problems(ranks, vocab, name, (1, 2, 3, 4)), "\n".join(_problems(ranks, vocab, name, (1, 2, 3, 4)))
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_the_hidden_gradient_is_the_same_on_every_rank_of_a_group(ranks, vocab):
+    for n, members_list in GROUPS.items():
+        for members in members_list:
+            for name in CASES:
+                if CASES[name][0] != "logprobs_from_hidden":
+                    continue
+                digests = {_bits(ranks[r][(vocab, n, name)][0][2]) for r in members}
+                assert len(digests) == 1, f"V={vocab} {name}: ranks {members} have different hidden gradients"
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_a_dtensor_shard_of_three_ranks_gives_the_bits_of_the_group_of_one(ranks, vocab):
+    for name in ("logits-fp32", "logits-bf16-temperature", "logits-top_k-top_p"):
+        problems = _problems(ranks, vocab, name, ("dtensor",))
+        assert not problems, "\n".join(problems)
+
+
+def test_the_splits_are_uneven_and_off_the_tile_grid():
+    for vocab in VOCABS:
+        for n in (2, 3, 4):
+            ws = widths(vocab, n)
+            assert sum(ws) == vocab and len(set(ws)) == n and all(w % 128 for w in ws)
