@@ -46,6 +46,7 @@ from .config import Variable, parse_bytes, positive_bytes
 from .config import declare as declare_variable
 from .config import get as variable_value
 from .distributed.tiles import (
+    CROSS_BITS,
     NEG_INF,
     TILE,
     Slot,
@@ -126,6 +127,7 @@ __all__ = [
     "tile_stats_",
     "tiled",
     "Slot",
+    "CROSS_BITS",
     "exact_sum",
     "grid",
     "grid_offset",

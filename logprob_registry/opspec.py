@@ -512,9 +512,7 @@ _LABELS = ("labels (...) int32/int64 give (...); labels (..., K) give the K cand
            "(..., K) in one pass (feature 'candidates')")
 # The vocabulary-parallel ops' options (see logprob_registry.distributed).
 _VOCAB_START = Option("vocab_start", 0, "int: global id of the shard's first column (labels are global ids)")
-_TILE = Option("tile", 4096, "int: columns per tile; tiles start at the shard's first column, the last "
-                             "one may be shorter")
-_GRID_TILE = Option("tile", 4096, "int: columns per tile of the global grid: tiles start at global multiples of "
+_TILE = Option("tile", 4096, "int: columns per tile of the global grid: tiles start at global multiples of "
                     "tile, so a shard's first tile holds its first tile - vocab_start % tile columns (or all of "
                     "them) and its last may be shorter (n_tiles = ceil((vocab_start % tile + V_local) / tile))")
 _REFERENCE = Option("reference", None, "(...) float or None: measure every tile against max(tile_max, reference) "
@@ -677,7 +675,7 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec(
         name="shard_stats", function=None,
         inputs=("logits", "labels"),
-        options=(_VOCAB_START, _GRID_TILE, _TEMPERATURE, _IGNORE_INDEX, _ENTROPY, _REFERENCE) + _SHARD_SAMPLER,
+        options=(_VOCAB_START, _TILE, _TEMPERATURE, _IGNORE_INDEX, _ENTROPY, _REFERENCE) + _SHARD_SAMPLER,
         outputs=_STATS,
         doc="vocabulary-parallel forward on one shard: logits (..., V_local), labels (...) global ids or None; "
             + _STATS_DOC + _SHARD_SAMPLER_DOC,
@@ -695,7 +693,7 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec(
         name="hidden_shard_stats", function=None,
         inputs=("hidden", "weight", "labels"),
-        options=(Option("bias", None, "tensor (V_local,) or None"), _VOCAB_START, _GRID_TILE, _TEMPERATURE,
+        options=(Option("bias", None, "tensor (V_local,) or None"), _VOCAB_START, _TILE, _TEMPERATURE,
                  _IGNORE_INDEX, _ENTROPY, _REFERENCE) + _SHARD_SAMPLER + (_SHARD_LOGITS_DTYPE,),
         outputs=_STATS,
         doc="shard_stats of the logits hidden @ weight.T + bias of a weight shard (V_local, H), without "
@@ -705,7 +703,7 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec(
         name="hidden_shard_grad", function=None,
         inputs=("hidden", "weight", "labels", "lse", "entropy", "grad_logprobs", "grad_entropy"),
-        options=(Option("bias", None, "tensor (V_local,) or None"), _VOCAB_START, _GRID_TILE, _TEMPERATURE,
+        options=(Option("bias", None, "tensor (V_local,) or None"), _VOCAB_START, _TILE, _TEMPERATURE,
                  Option("needs_grad", (True, True, False), "(hidden, weight, bias): which gradients to form"))
                 + _SHARD_SAMPLER + (_SHARD_LOGITS_DTYPE,),
         outputs=("grad_hidden", "grad_weight", "grad_bias"),
@@ -740,15 +738,20 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec(
         name="kl_shard_stats", function=None,
         inputs=("student", "teacher"),
-        options=_KL_SIDES + (_VOCAB_START, _TILE, _TEMPERATURE, _KL_DIRECTION),
+        options=_KL_SIDES + (_VOCAB_START, _TILE, _TEMPERATURE, _KL_DIRECTION,
+                             Option("student_reference", None, "(...) or None: as shard_stats' reference, for "
+                                    "student_max"),
+                             Option("teacher_reference", None, "(...) or None: as shard_stats' reference, for "
+                                    "teacher_max")),
         outputs=("student_max", "student_sumexp", "teacher_max", "teacher_sumexp", "cross"),
         doc="kl_divergence's forward on one vocabulary shard of both sides (logits (..., V_local), or hidden "
-            "states with their weight shard (V_local, H)): per row and tile of zs = student / temperature and "
-            "zt = teacher / temperature (float32, float64 for float64), each (..., n_tiles): the max and sum "
-            "exp(z - max) of each side, and cross = sum et * (zt - zs) with et = exp(zt - teacher_max) for "
+            "states with their weight shard (V_local, H)): per row and grid tile of zs = student / temperature "
+            "and zt = teacher / temperature (float32, float64 for float64), each (..., n_tiles): the max and "
+            "sum exp(z - max) of each side, and cross = sum et * (zt - zs) with et = exp(zt - teacher_max) for "
             '"forward", sum es * (zs - zt) with es = exp(zs - student_max) for "reverse" (0 where the weight '
-            "is 0). A tile's statistics must depend on its own columns only (bitwise, for backends declaring "
-            "group_invariant)",
+            "is 0); the sums float64 and exact (kit.exact_sum; the cross term's terms at multiples of "
+            "2**-kit.CROSS_BITS). A tile's statistics must depend on its own columns only (bitwise, for "
+            "backends declaring group_invariant)",
         dtype_input="student", grad_inputs=(),
     ),
     OpSpec(

@@ -34,9 +34,10 @@ CASES = {
                                                                              "return_entropy": True}),
     "hidden-fp32-top_p": ("logprobs_from_hidden", "float32", {"top_p": 0.8}),
     "topk": ("topk_logprobs", "float32", {"k": 5}),
+    "kl-forward": ("kl_divergence", "float32", {"direction": "forward"}),
+    "kl-reverse-bf16-temperature": ("kl_divergence", "bfloat16", {"direction": "reverse", "temperature": 0.9}),
+    "kl-hidden-forward": ("kl_divergence", "float32", {"direction": "forward", "hidden": True}),
 }
-# kl_divergence keeps tiles cut from each shard's first column: bitwise across groups only when every
-# shard starts at a multiple of 4096 (the suite's distributed section checks it there).
 
 
 def widths(vocab: int, parts: int) -> tuple:
@@ -54,6 +55,9 @@ def widths(vocab: int, parts: int) -> tuple:
 def _data(vocab: int, dtype: torch.dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     return dict(logits=(torch.randn(*ROWS, vocab, generator=g) * 3).to(dtype),
+                teacher=(torch.randn(*ROWS, vocab, generator=g) * 3).to(dtype),
+                teacher_weight=(torch.randn(vocab, HIDDEN + 8, generator=g) * 0.5).to(dtype),
+                teacher_hidden=torch.randn(*ROWS, HIDDEN + 8, generator=g).to(dtype),
                 labels=torch.randint(0, vocab, ROWS, generator=g),
                 hidden=torch.randn(*ROWS, HIDDEN, generator=g).to(dtype),
                 weight=(torch.randn(vocab, HIDDEN, generator=g) * 0.5).to(dtype),
@@ -86,6 +90,13 @@ def _call(name: str, vocab: int, start: int, width: int, group, dtensor_mesh=Non
         outs = lr.logprobs_from_hidden(hidden, shard, data["labels"], bias=bias, **options, **kw)
     elif op == "topk_logprobs":
         outs = lr.topk_logprobs(shard, options.pop("k"), **options, **kw)
+    elif op == "kl_divergence" and options.pop("hidden", False):  # both sides hidden states, each its H
+        shard = data["weight"][cols].clone().requires_grad_(True)
+        hidden = data["hidden"].clone().requires_grad_(True)
+        outs = lr.kl_divergence(hidden, data["teacher_hidden"], student_weight=shard,
+                                teacher_weight=data["teacher_weight"][cols], **options, **kw)
+    elif op == "kl_divergence":
+        outs = lr.kl_divergence(shard, data["teacher"][..., cols], **options, **kw)
     else:
         fn = {"logprobs": lr.logprobs_from_logits, "logprobs_and_entropy": lr.logprobs_and_entropy}[op]
         outs = fn(shard, data["labels"], **options, **kw)
@@ -153,8 +164,8 @@ def _problems(ranks, vocab, name, kinds) -> list:
                 if _bits(a) != _bits(b):
                     problems.append(f"{what}: output {i} differs from the group of one's bits "
                                     f"(max {(a.double() - b.double()).abs().max().item():.3g})")
-            cols = alone_grad[start:start + width] if CASES[name][0] == "logprobs_from_hidden" \
-                else alone_grad[..., start:start + width]
+            rows_sharded = CASES[name][0] == "logprobs_from_hidden" or CASES[name][2].get("hidden")
+            cols = alone_grad[start:start + width] if rows_sharded else alone_grad[..., start:start + width]
             if _bits(grad) != _bits(cols.contiguous()):
                 problems.append(f"{what}: the shard's gradient differs from the same columns of the group of one's")
             if hidden is not None and not torch.allclose(hidden.double(), alone_hidden.double(), rtol=1e-2,
@@ -174,7 +185,7 @@ def test_the_hidden_gradient_is_the_same_on_every_rank_of_a_group(ranks, vocab):
     for n, members_list in GROUPS.items():
         for members in members_list:
             for name in CASES:
-                if CASES[name][0] != "logprobs_from_hidden":
+                if ranks[0][(vocab, 1, name)][0][2] is None:  # no hidden states
                     continue
                 digests = {_bits(ranks[r][(vocab, n, name)][0][2]) for r in members}
                 assert len(digests) == 1, f"V={vocab} {name}: ranks {members} have different hidden gradients"

@@ -20,8 +20,7 @@ How (docs/distributed.md has the whole story):
   against the whole tile's max);
 - :mod:`.core`: one all-gather of the tile statistics and a merge in one fixed order on every rank
   (:mod:`.merge`), so results are bitwise independent of the group size and of how the vocabulary
-  is split when the backend declares ``group_invariant`` (kl_divergence: when every shard starts
-  at a multiple of :data:`TILE`);
+  is split when the backend declares ``group_invariant``;
 - :mod:`.sharded`: the one skeleton (forward, autograd backward) of every public op, driven by
   the op's plan (:mod:`.kl`: kl_divergence's);
 - :mod:`.sampled`: the sampler's keywords, and the rounds of the truncation decision;

@@ -35,9 +35,9 @@ from .tiles import NEG_INF, n_tiles
 
 class Stats(NamedTuple):
     """One shard's statistics, flattened to rows: per-tile statistics (N, n_tiles) each (None: not
-    asked for; the max in the result dtype, the sums of the grid's exact float64), per-row columns
-    (N, C) or None (the label logits), and ``recompute(slot, reference)``: the per-tile statistics
-    of that one grid tile against ``reference`` (N,), each (N, 1) (None: off the grid, kl_divergence)."""
+    asked for; the maxima in the result dtype, the sums the grid's exact float64), per-row columns
+    (N, C) or None (the label logits), and ``recompute(slot, references)``: the per-tile statistics
+    of that one grid tile against ``references`` (one (N,) per maximum), each (N, 1)."""
 
     tiles: Tuple[Optional[torch.Tensor], ...]
     rows: Optional[torch.Tensor] = None
@@ -78,9 +78,22 @@ def _words(acc: torch.dtype) -> int:
     return 1 if acc == torch.float64 else 2
 
 
-def _exact_columns(layout: header.Layout, count: int, acc: torch.dtype, on_grid: bool) -> int:
+def _sums(count: int, maxima: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The indices of the sums among ``count`` statistics (the others are maxima)."""
+    return tuple(i for i in range(count) if i not in maxima)
+
+
+def _exact_at(layout: header.Layout, count: int, width: int, maxima: Tuple[int, ...], acc: torch.dtype,
+              edge: int, i: int) -> int:
+    """The packet's column of sum ``i``'s exact float64 bits for ``edge`` (0: the first tile, 1: the last)."""
+    sums = _sums(count, maxima)
+    return count * width + (edge * len(sums) + sums.index(i)) * _words(acc)
+
+
+def _exact_columns(layout: header.Layout, count: int, acc: torch.dtype, on_grid: bool,
+                   maxima: Tuple[int, ...] = (0,)) -> int:
     """The packet's columns of the shared tiles' exact sums: the first and the last tile's, per sum."""
-    return 2 * (count - 1) * _words(acc) if on_grid and not layout.aligned else 0
+    return 2 * len(_sums(count, maxima)) * _words(acc) if on_grid and not layout.aligned else 0
 
 
 def _edges(layout: header.Layout, rank: int) -> tuple:
@@ -90,36 +103,39 @@ def _edges(layout: header.Layout, rank: int) -> tuple:
     return tuple((edge, slot) for edge, (shared, slot) in enumerate(((first, 0), (last, n - 1))) if shared)
 
 
-def _tile_max(table: torch.Tensor, layout: header.Layout, tile: int) -> torch.Tensor:
-    """The max per row of grid tile ``tile`` over every rank's piece (``table``: (W, N, 2), each rank's
-    first and last tile maxima)."""
+def _tile_max(table: torch.Tensor, layout: header.Layout, tile: int, k: int) -> torch.Tensor:
+    """The ``k``-th max per row of grid tile ``tile`` over every rank's piece (``table``: (W, N, 2 K),
+    each rank's first and last tile maxima, K of each)."""
     out = None
     for r in layout.order:
         first = layout.first_tile(r)
         last = first + layout.slots[r] - 1
         for edge, at in ((0, first), (1, last)):
             if at == tile:
-                piece = table[r, :, edge]
+                piece = table[r, :, 2 * k + edge]
                 out = piece if out is None else torch.maximum(out, piece)
                 break
     return out
 
 
 def complete(group: Group, layout: header.Layout, stats: Optional[Stats], device: torch.device,
-             acc: torch.dtype, failure: Optional[BaseException] = None) -> Tuple[Optional[Stats], Optional[BaseException]]:
+             acc: torch.dtype, failure: Optional[BaseException] = None, maxima: Tuple[int, ...] = (0,)
+             ) -> Tuple[Optional[Stats], Optional[BaseException]]:
     """The grid tiles this rank shares with another (a shard edge off the grid) measured against the
     whole tile's max, so that their pieces' exact sums add up to the tile's own (see :mod:`.tiles`):
     one all-gather of every rank's first and last tile maxima per row, then :attr:`Stats.recompute`
     of a piece that is below its tile's max in some row. Nothing happens when every shard starts on
     the grid. A rank that failed (``failure``, or failing here) still joins the all-gather, and its
-    failure goes on to :func:`gather`."""
+    failure goes on to :func:`gather`. ``maxima``: the indices of the statistics that are maxima
+    (each sum is measured against one of them)."""
     if layout.aligned or not layout.rows:
         return stats, failure
     me = group.rank
-    edges = torch.full((layout.rows, 2), NEG_INF, dtype=acc, device=device)
+    edges = torch.full((layout.rows, 2 * len(maxima)), NEG_INF, dtype=acc, device=device)
     if failure is None and stats is not None:
-        m = stats.tiles[0]
-        edges[:, 0], edges[:, 1] = m[:, 0].to(device), m[:, -1].to(device)
+        for k, i in enumerate(maxima):
+            m = stats.tiles[i]
+            edges[:, 2 * k], edges[:, 2 * k + 1] = m[:, 0].to(device), m[:, -1].to(device)
     table = group.all_gather(edges, device)
     if failure is not None or stats is None:
         return stats, failure
@@ -130,10 +146,12 @@ def complete(group: Group, layout: header.Layout, stats: Optional[Stats], device
             if slot in done:
                 continue
             done.add(slot)
-            reference = _tile_max(table, layout, layout.first_tile(me) + slot).to(parts[0].device)
-            if not bool((parts[0][:, slot] < reference).any()):
-                continue  # this piece holds its tile's max in every row: measured against it already
-            for k, value in enumerate(stats.recompute(slot, reference)):
+            at = parts[maxima[0]].device
+            references = tuple(_tile_max(table, layout, layout.first_tile(me) + slot, k).to(at)
+                               for k in range(len(maxima)))
+            if not any(bool((parts[i][:, slot] < ref).any()) for i, ref in zip(maxima, references)):
+                continue  # this piece holds its tile's maxima in every row: measured against them already
+            for k, value in enumerate(stats.recompute(slot, references)):
                 if parts[k] is not None and value is not None:
                     parts[k][:, slot] = value.reshape(-1).to(parts[k].dtype)
         return stats._replace(tiles=tuple(parts)), None
@@ -142,21 +160,23 @@ def complete(group: Group, layout: header.Layout, stats: Optional[Stats], device
 
 
 def gather(group: Group, layout: header.Layout, stats: Optional[Stats], count: int, columns: int,
-           device: torch.device, acc: torch.dtype, failure: Optional[BaseException] = None, on_grid: bool = False):
+           device: torch.device, acc: torch.dtype, failure: Optional[BaseException] = None, on_grid: bool = False,
+           maxima: Tuple[int, ...] = (0,)):
     """The statistics all-gather: ``(W, N, count * width + E + columns)`` on ``device``, and
     ``width``, the most tiles of a rank (each per-tile statistic padded to it).
 
     ``count``: the per-tile statistics gathered (the first ``count`` of ``stats.tiles``, in ``acc``);
     ``on_grid``: they lie on the global tile grid (:attr:`.header.Layout.slots`; else cut from each
     shard's first column), and the exact float64 sums of a shared tile's pieces travel as their bits
-    in ``E`` columns (:func:`complete` first); ``columns``: the per-row columns after them
+    in ``E`` columns (:func:`complete` first; ``maxima``: the indices of the statistics that are
+    maxima, the others are sums); ``columns``: the per-row columns after them
     (``stats.rows``, the label logits; K for candidate labels). ``failure``: this rank could not
     compute its statistics after the header (a sampler's second round); it still joins the gather,
     with its failure flag set (one more column, after the others), so that every rank raises
     instead of the others hanging."""
     rows, nts = layout.rows, layout.slots if on_grid else layout.tiles
     width = max(nts)
-    exact = _exact_columns(layout, count, acc, on_grid)
+    exact = _exact_columns(layout, count, acc, on_grid, maxima)
     first = count * width + exact
     packet = torch.zeros(rows, first + columns + 1, dtype=acc, device=device)
     if failure is not None:
@@ -167,9 +187,9 @@ def gather(group: Group, layout: header.Layout, stats: Optional[Stats], count: i
                 packet[:, i * width:i * width + part.shape[1]] = part.to(device=device, dtype=acc)
         words = _words(acc)
         for edge, slot in (_edges(layout, group.rank) if exact else ()):
-            for i in range(1, count):
+            for i in _sums(count, maxima):
                 bits = stats.tiles[i][:, slot].to(device=device, dtype=torch.float64).contiguous().view(acc)
-                at = count * width + (edge * (count - 1) + i - 1) * words
+                at = _exact_at(layout, count, width, maxima, acc, edge, i)
                 packet[:, at:at + words] = bits.view(rows, words)
         if stats.rows is not None:
             packet[:, first:first + columns] = stats.rows.reshape(rows, -1).to(device)
@@ -184,31 +204,32 @@ def gather(group: Group, layout: header.Layout, stats: Optional[Stats], count: i
 
 
 def in_order(gathered: torch.Tensor, width: int, layout: header.Layout, i: int,
-             count: Optional[int] = None) -> torch.Tensor:
+             count: Optional[int] = None, maxima: Tuple[int, ...] = (0,)) -> torch.Tensor:
     """The ``i``-th per-tile statistic of :func:`gather`'s result, ``(N, total tiles)`` in global tile
     order (the ranks by their shard's start). ``count`` (the statistics gathered) for statistics on
-    the grid: the max of a shared tile is its pieces' max, a sum its pieces' exact sums added (exact:
-    the same bits as the whole tile's) and rounded once to the packet's dtype."""
+    the grid (``maxima``: the indices of the maxima): the max of a shared tile is its pieces' max, a
+    sum its pieces' exact sums added (exact: the same bits as the whole tile's) and rounded once to
+    the packet's dtype."""
     if count is None:
         nts = layout.tiles
         return torch.cat([gathered[r, :, i * width:i * width + nts[r]] for r in layout.order], dim=1)
     rows, acc = gathered.shape[1], gathered.dtype
     total = n_tiles(layout.vocab, layout.tile)
-    exact = _exact_columns(layout, count, acc, True)
+    exact = _exact_columns(layout, count, acc, True, maxima)
     words = _words(acc)
-    if i == 0:
+    if i in maxima:
         out = torch.full((rows, total), NEG_INF, dtype=acc, device=gathered.device)
     else:
         out = torch.zeros(rows, total, dtype=torch.float64, device=gathered.device)
     for r in layout.order:
         g0, n = layout.first_tile(r), layout.slots[r]
         values = gathered[r, :, i * width:i * width + n]
-        if i == 0:
+        if i in maxima:
             out[:, g0:g0 + n] = torch.maximum(out[:, g0:g0 + n], values)
             continue
         values = values.to(torch.float64)
         for edge, slot in (_edges(layout, r) if exact else ()):
-            at = count * width + (edge * (count - 1) + i - 1) * words
+            at = _exact_at(layout, count, width, maxima, acc, edge, i)
             values[:, slot] = gathered[r, :, at:at + words].contiguous().view(torch.float64).view(rows)
         out[:, g0:g0 + n] += values
     return out.to(acc)

@@ -4,11 +4,13 @@
 Each rank holds the same columns ``[start, start + V_local)`` of the student and of the teacher:
 logits ``(..., V_local)``, or hidden states with a weight shard ``(V_local, H)`` (either side).
 
-Forward: the shard's tile statistics come from the registry (``kl_shard_stats``): per row and tile
-of ``zs = student / T`` and ``zt = teacher / T``, each side's max and sum of exponentials, and the
-tile's cross term (``"forward"``: ``sum et (zt - zs)`` with ``et = exp(zt - mt)``; ``"reverse"``:
-``sum es (zs - zt)``), each depending on the tile's own columns only. After the header, the five
-statistics are gathered in one all-gather (:func:`.core.gather`) and merged in global tile order
+Forward: the shard's tile statistics come from the registry (``kl_shard_stats``): per row and grid
+tile of ``zs = student / T`` and ``zt = teacher / T``, each side's max and exact sum of
+exponentials, and the tile's exact cross term (``"forward"``: ``sum et (zt - zs)`` with
+``et = exp(zt - mt)``; ``"reverse"``: ``sum es (zs - zt)``), each depending on the tile's own columns
+only. After the header, the tiles two ranks share are completed against both sides' maxima
+(:func:`.core.complete`), and the five statistics are gathered in one all-gather
+(:func:`.core.gather`) and merged in global tile order
 (:func:`~.merge.merge_cross`): ``KL = cross / S - lse_t + lse_s`` (forward, the cross rescaled to the
 teacher's maximum; reverse the other way round). Every rank returns the complete result; ``mask``
 False rows give 0.
@@ -34,7 +36,7 @@ from . import core, header
 from .group import Group
 from .merge import merge_cross
 from .skeleton import Plan, Sharded, function
-from .tiles import TILE
+from .tiles import TILE, grid
 
 STATS_OP, GRAD_OP = "kl_shard_stats", "kl_shard_grad"
 _STATS = ("student_max", "student_sumexp", "teacher_max", "teacher_sumexp", "cross")
@@ -45,7 +47,7 @@ class KL(Sharded):
     statistics, their merge into the KL, and the student's gradient."""
 
     labels_name = "mask"  # the header compares the mask's checksums
-    on_grid = False  # its tiles are cut from each shard's first column: bitwise only on tile-aligned shards
+    maxima = (0, 2)  # student_max, teacher_max: each side's sums are measured against its own
 
     def __init__(self, plan: Plan, op: str, call: Union[Call, BaseException], group: Group,
                  registry: Registry) -> None:
@@ -86,15 +88,34 @@ class KL(Sharded):
     def local_stats(self, local: header.Local, acc: torch.dtype) -> Optional[core.Stats]:
         if not local.rows:
             return None
-        return self.tile_stats(self.key(self.plan.stats_op), self.call.inputs, self._options(),
-                               (True,) * len(_STATS), None, acc)
+        key = self.key(self.plan.stats_op)
+        out = self.tile_stats(key, self.call.inputs, self._options(), (True,) * len(_STATS), None, acc)
+        return out._replace(recompute=lambda slot, references: self._slot_stats(key, slot, references, acc))
+
+    def _slot_stats(self, key, slot: int, references: tuple, acc) -> tuple:
+        """One grid tile's statistics against ``references`` (the whole tile's student and teacher
+        maxima per row): the same shard op over both sides' columns in that tile."""
+        piece = grid(self.start, self.call.vocab, TILE)[slot]
+        c0, c1 = piece.c0, piece.c1
+        lead = self.call.inputs[0].shape[:-1]
+        options = dict(self._options(), vocab_start=self.start + c0, student_reference=references[0].view(lead),
+                       teacher_reference=references[1].view(lead))
+        sides = list(self.call.inputs)
+        for i, name in enumerate(("student_weight", "teacher_weight")):
+            if options[name] is not None:
+                options[name] = options[name][c0:c1]
+            else:
+                sides[i] = sides[i][..., c0:c1]
+        return self.tile_stats(key, tuple(sides), options, (True,) * len(_STATS), None, acc,
+                               start=self.start + c0, width=c1 - c0).tiles
 
     def packed(self) -> Tuple[int, int]:
         return len(_STATS), 0
 
     def results(self, layout, gathered, width, lead, device, acc, on) -> Tuple[tuple, tuple]:
         """``((kl,), (kl, lse_student, lse_teacher))``, each of the positions' shape (kl masked)."""
-        ms, ss, mt, st, cross = (core.in_order(gathered, width, layout, i) for i in range(len(_STATS)))
+        ms, ss, mt, st, cross = (core.in_order(gathered, width, layout, i, len(_STATS), self.maxima)
+                                 for i in range(len(_STATS)))
         if self.options["direction"] == "forward":
             lse_t, mean = merge_cross(mt, st, cross)
             lse_s, _ = merge_cross(ms, ss, torch.zeros_like(ss))

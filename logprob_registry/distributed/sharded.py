@@ -202,8 +202,8 @@ class Logits(Sharded):
         key = self.key(self.plan.stats_op, self.call.grad)
         out = self.tile_stats(key, self._stats_inputs(), options, present, self.label_count(), acc)
 
-        def recompute(slot: int, reference: torch.Tensor) -> tuple:
-            return self._slot_stats(key, options, present, slot, reference, acc)
+        def recompute(slot: int, references: tuple) -> tuple:
+            return self._slot_stats(key, options, present, slot, references[0], acc)
 
         return out._replace(recompute=recompute)
 

@@ -61,8 +61,10 @@ class Sharded:
     #: What the header's checksum covers (``labels``, or kl_divergence's mask), for its message.
     labels_name = "labels"
     #: Whether the statistics lie on the global tile grid (:mod:`.tiles`; shared tiles completed by
-    #: :func:`.core.complete`), or are cut from each shard's first column (kl_divergence's).
+    #: :func:`.core.complete`), or are cut from each shard's first column.
     on_grid = True
+    #: The indices of the per-tile statistics that are maxima (the others are sums against them).
+    maxima: Tuple[int, ...] = (0,)
 
     def __init__(self, plan: Plan, op: str, call: Union[Call, BaseException], group: Group,
                  registry: Registry) -> None:
@@ -149,7 +151,7 @@ class Sharded:
                          if labels else None,)
         out = self.shard(key, inputs, options, expected, self.call.backend)
         sums = torch.float64 if self.on_grid else acc
-        parts = tuple(value.reshape(rows, nt).to(acc if i == 0 else sums) if wanted else None
+        parts = tuple(value.reshape(rows, nt).to(acc if i in self.maxima else sums) if wanted else None
                       for i, (wanted, value) in enumerate(zip(present, out)))
         per_row = out[len(present)].reshape(rows, labels).to(acc) if labels else None
         return core.Stats(parts, per_row)
@@ -158,8 +160,9 @@ class Sharded:
                  failure: Optional[BaseException] = None):
         """:func:`.core.gather` of ``count`` statistics (:func:`.core.complete` first, on the grid)."""
         if self.on_grid:
-            stats, failure = core.complete(self.group, layout, stats, device, acc, failure)
-        return core.gather(self.group, layout, stats, count, self.packed()[1], device, acc, failure, self.on_grid)
+            stats, failure = core.complete(self.group, layout, stats, device, acc, failure, self.maxima)
+        return core.gather(self.group, layout, stats, count, self.packed()[1], device, acc, failure, self.on_grid,
+                           self.maxima)
 
     def forward(self) -> Tuple[tuple, tuple]:
         """``(outputs, saved)`` on every rank (see :meth:`results`), or every rank raises the same error."""

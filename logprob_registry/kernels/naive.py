@@ -331,22 +331,27 @@ def _kl_side(x, weight, acc, temperature):
     return h, z / temperature
 
 
-def kl_shard_stats(student, teacher, *, student_weight, teacher_weight, vocab_start, tile, temperature, direction):
+def kl_shard_stats(student, teacher, *, student_weight, teacher_weight, vocab_start, tile, temperature, direction,
+                   student_reference=None, teacher_reference=None):
     acc = result_dtype(student.dtype)
     _, zs = _kl_side(student, student_weight, acc, temperature)
     _, zt = _kl_side(teacher, teacher_weight, acc, temperature)
     lead = student.shape[:-1]
-    zs3, zt3 = tiled(zs, tile), tiled(zt, tile)
+    offset = kit.grid_offset(vocab_start, tile)
+    zs3, zt3 = (tiled(torch.nn.functional.pad(z, (offset, 0), value=float("-inf")) if offset else z, tile)
+                for z in (zs, zt))
     out = []
-    for z3 in (zs3, zt3):
+    for z3, reference in ((zs3, student_reference), (zt3, teacher_reference)):
         m = z3.amax(-1)
+        if reference is not None:
+            m = torch.maximum(m, reference.reshape(-1, 1).to(m.dtype))
         e = (z3 - m.masked_fill(m == float("-inf"), 0.0).unsqueeze(-1)).exp()
         out += [m, e]
     (ms, es), (mt, et) = out[:2], out[2:]
     weight, diff = (et, zt3 - zs3) if direction == "forward" else (es, zs3 - zt3)
-    cross = torch.where(weight == 0, 0.0, weight * diff).sum(-1)
+    cross = torch.where(weight == 0, 0.0, weight * diff).double().sum(-1)
     nt = zs3.shape[1]
-    return tuple(x.reshape(*lead, nt) for x in (ms, es.sum(-1), mt, et.sum(-1), cross))
+    return tuple(x.reshape(*lead, nt) for x in (ms, es.double().sum(-1), mt, et.double().sum(-1), cross))
 
 
 def kl_shard_grad(student, teacher, lse_student, lse_teacher, kl, grad_kl, mask, *, student_weight, teacher_weight,

@@ -24,7 +24,7 @@ from typing import Dict, List, Tuple
 from . import _distributed_kl as kl
 from . import _distributed_logits as logits
 from . import _distributed_sampler as sampler
-from ._distributed_common import GROUPS, KINDS, KL_SHARD_OPS, WORLD, Case, on_grid, same_bits
+from ._distributed_common import GROUPS, KINDS, KL_SHARD_OPS, WORLD, Case, same_bits
 
 #: family name -> its module: ``run(rank, groups, backend, device, names)`` on a rank, and (logits,
 #: kl) ``cases``, ``inputs``, ``reference``, ``output_tolerances`` for the parent's checks.
@@ -74,4 +74,4 @@ def output_tolerances(case: Case, data) -> tuple:
 
 
 __all__ = ["FAMILIES", "GROUPS", "KINDS", "KL_SHARD_OPS", "WORLD", "Case", "cases", "family_of", "inputs", "output_tolerances",
-           "on_grid", "program", "reference", "same_bits"]
+           "program", "reference", "same_bits"]

@@ -88,11 +88,6 @@ def split(kind: str, rank: int, vocab: int) -> Tuple[int, int, bool]:
     return (vocab - tail, tail, True) if rank == 2 else (0, vocab - tail, True)  # reversed, explicit
 
 
-def on_grid(kind: str, members: Tuple[int, ...], vocab: int) -> bool:
-    """Whether every shard of that group starts at a multiple of the tile (kl_divergence's
-    statistics are bitwise independent of the group only then)."""
-    return all(split(kind, r, vocab)[0] % 4096 == 0 for r in members)
-
 
 def digest(t: Optional[torch.Tensor]) -> str:
     """The exact bits of ``t`` (signed zeros and NaN payloads included)."""
