@@ -27,7 +27,8 @@ RECOMPILE_LIMIT = 64
 # could pick another reduction order in another process): inductor's deterministic and
 # batch-invariant modes, where this torch has them (torch >= 2.10).
 EXTRA_OPTIONS: Dict[str, dict] = {
-    name: {"deterministic": True, "batch_invariant": True} for name in ("tile_stats", "tile_stats_entropy")
+    name: {"deterministic": True, "batch_invariant": True}
+    for name in ("tile_stats", "tile_stats_entropy", "tile_stats_ref", "tile_stats_entropy_ref")
 }
 _compiled: Dict[str, Callable] = {}
 _lock = threading.RLock()

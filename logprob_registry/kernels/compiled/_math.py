@@ -101,23 +101,40 @@ def _exact(x):
     return torch.round(x * _QUANTUM).to(torch.float64).sum(-1, keepdim=True) * (1.0 / _QUANTUM)
 
 
-def _tile_stats(x, inv_t: float, ref):
-    """Per row of a (rows, TILE) block of one grid tile: with z = x * inv_t, the max of z and of
-    ``ref`` (rows, 1; -inf for none), and the exact sum of e = exp(z - max) (0 for a tile of nothing
-    but -inf)."""
-    z = _upcast(x) * inv_t
-    m = torch.maximum(z.amax(-1, keepdim=True), ref)
-    e = torch.exp(z - torch.where(m == float("-inf"), 0.0, m))
-    return m, _exact(e)
-
-
-def _tile_stats_entropy(x, inv_t: float, ref):
-    """As :func:`_tile_stats`, plus the exact sum of e * (z - max) (0 where z is -inf)."""
-    z = _upcast(x) * inv_t
-    m = torch.maximum(z.amax(-1, keepdim=True), ref)
-    d = z - torch.where(m == float("-inf"), 0.0, m)
+def _tile_sums(x, inv_t: float, m, with_entropy: bool):
+    """The exact sums of a block against its max ``m`` (rows, 1): of e = exp(z - m), and of
+    e * (z - m) (0 where z is -inf) with ``with_entropy``."""
+    d = _upcast(x) * inv_t - torch.where(m == float("-inf"), 0.0, m)
     e = torch.exp(d)
-    return m, _exact(e), _exact(torch.where(e == 0, 0.0, e * d))
+    if not with_entropy:
+        return (_exact(e),)
+    return _exact(e), _exact(torch.where(e == 0, 0.0, e * d))
+
+
+def _tile_stats(x, inv_t: float):
+    """Per row of a (rows, TILE) block of one grid tile: with z = x * inv_t, the max of z and the
+    exact sum of e = exp(z - max) (0 for a tile of nothing but -inf)."""
+    m = (_upcast(x) * inv_t).amax(-1, keepdim=True)
+    return (m,) + _tile_sums(x, inv_t, m, False)
+
+
+def _tile_stats_entropy(x, inv_t: float):
+    """As :func:`_tile_stats`, plus the exact sum of e * (z - max) (0 where z is -inf)."""
+    m = (_upcast(x) * inv_t).amax(-1, keepdim=True)
+    return (m,) + _tile_sums(x, inv_t, m, True)
+
+
+def _tile_stats_ref(x, inv_t: float, ref):
+    """:func:`_tile_stats` against at least ``ref`` (rows, 1): a piece of a tile two shards share,
+    measured against the whole tile's max (a kernel of its own: the common call reads no ``ref``)."""
+    m = torch.maximum((_upcast(x) * inv_t).amax(-1, keepdim=True), ref)
+    return (m,) + _tile_sums(x, inv_t, m, False)
+
+
+def _tile_stats_entropy_ref(x, inv_t: float, ref):
+    """:func:`_tile_stats_entropy` against at least ``ref`` (see :func:`_tile_stats_ref`)."""
+    m = torch.maximum((_upcast(x) * inv_t).amax(-1, keepdim=True), ref)
+    return (m,) + _tile_sums(x, inv_t, m, True)
 
 
 def _bwd(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float):
@@ -139,5 +156,5 @@ def _bwd_inplace_softcap(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: flo
 KERNELS: Dict[str, Callable] = {
     f.__name__.lstrip("_"): f for f in (_fwd_logprobs, _fwd_entropy, _bwd, _bwd_inplace, _fwd_logprobs_softcap,
                                         _fwd_entropy_softcap, _bwd_softcap, _bwd_inplace_softcap, _tile_stats,
-                                        _tile_stats_entropy)
+                                        _tile_stats_entropy, _tile_stats_ref, _tile_stats_entropy_ref)
 }

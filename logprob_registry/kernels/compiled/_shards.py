@@ -20,6 +20,7 @@ time through the matmul) with the compiled tile kernel for the statistics.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -34,15 +35,16 @@ from ._ops import _grad, _grad_args, _overlapping, _plain, _planes, _rows, _take
 BLOCK_BYTES = 16 << 20
 
 
-def _tile_block(block: torch.Tensor, inv_t: float, ref: torch.Tensor, with_entropy: bool):
-    """Per row of ``block`` (rows, TILE), contiguous, against ``ref`` (rows, 1; -inf for none): the
-    max of ``z = block * inv_t``, the exact sums, each (rows,). Every call has this one layout, so
-    one compiled kernel, one order, serves them all."""
-    name = "tile_stats_entropy" if with_entropy else "tile_stats"
+def _tile_block(block: torch.Tensor, inv_t: float, ref: Optional[torch.Tensor], with_entropy: bool):
+    """Per row of ``block`` (rows, TILE), contiguous, against ``ref`` (rows, 1) or None: the max of
+    ``z = block * inv_t``, the exact sums, each (rows,). Every call has this one layout, so one
+    compiled kernel, one order, serves them all."""
+    name = ("tile_stats_entropy" if with_entropy else "tile_stats") + ("" if ref is None else "_ref")
+    extra = () if ref is None else (ref,)
     if block.shape[0] == 1:  # a dim of size 1 would get a kernel of its own: the row twice, contiguous
-        outs = _run(name, block.expand(2, -1).contiguous(), inv_t, ref.expand(2, -1).contiguous())
+        outs = _run(name, block.expand(2, -1).contiguous(), inv_t, *(r.expand(2, -1).contiguous() for r in extra))
         return tuple(o[:1].reshape(1) for o in outs)
-    return tuple(o.reshape(-1) for o in _run(name, block.detach(), inv_t, ref))
+    return tuple(o.reshape(-1) for o in _run(name, block.detach(), inv_t, *extra))
 
 
 def _blocks(plane: torch.Tensor, tile: int, offset: int):
@@ -65,10 +67,10 @@ def _blocks(plane: torch.Tensor, tile: int, offset: int):
         yield r0, part.view(-1, tile)
 
 
-def _references(reference, n: int, nt: int, acc, device) -> torch.Tensor:
-    """The per-row reference (or -inf) for each of ``nt`` tiles of ``n`` rows, (n * nt, 1)."""
+def _references(reference, n: int, nt: int, acc) -> Optional[torch.Tensor]:
+    """The per-row reference for each of ``nt`` tiles of ``n`` rows, (n * nt, 1), or None."""
     if reference is None:
-        return torch.full((n * nt, 1), float("-inf"), dtype=acc, device=device)
+        return None
     return reference.reshape(n, 1).to(acc).expand(n, nt).reshape(n * nt, 1).contiguous()
 
 
@@ -82,12 +84,13 @@ def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index,
     m = torch.empty(n, nt, dtype=acc, device=dev)
     s = torch.empty(n, nt, dtype=torch.float64, device=dev)
     u = torch.empty(n, nt, dtype=torch.float64, device=dev) if with_entropy else None
-    refs = _references(reference, n, nt, acc, dev)
+    refs = _references(reference, n, nt, acc)
     first = 0
     for _, plane in _planes(_rows(logits)):
         for r0, block in _blocks(plane, tile, offset):
             rows = slice(first + r0, first + r0 + block.shape[0] // nt)
-            outs = _tile_block(block, inv_t, refs[rows.start * nt:rows.stop * nt], with_entropy)
+            ref = None if refs is None else refs[rows.start * nt:rows.stop * nt]
+            outs = _tile_block(block, inv_t, ref, with_entropy)
             m[rows], s[rows] = outs[0].view(-1, nt), outs[1].view(-1, nt)
             if u is not None:
                 u[rows] = outs[2].view(-1, nt)
@@ -124,8 +127,7 @@ def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, voc
 def _compiled_tile_stats(z3: torch.Tensor, with_entropy: bool, reference=None):
     """``chunked``'s tile-statistics hook: ``z3`` (rows, 1, TILE) is already ``logits / T``."""
     rows = z3.shape[0]
-    outs = _tile_block(z3.view(rows, z3.shape[2]), 1.0, _references(reference, rows, 1, z3.dtype, z3.device),
-                       with_entropy)
+    outs = _tile_block(z3.view(rows, z3.shape[2]), 1.0, _references(reference, rows, 1, z3.dtype), with_entropy)
     m, s = outs[0].unsqueeze(1), outs[1].unsqueeze(1)
     return m, s, outs[2].unsqueeze(1) if with_entropy else None
 
