@@ -6,8 +6,8 @@ columns of the tile at once (in the logits' dtype and strides, in float32, float
 reduces them with ``tl.max`` and exact sums (each term rounded to a multiple of ``2**-40`` and
 added in float64, which never rounds: ``kit.exact_sum``'s terms). The max is exact and the sums
 do not depend on their order, so a tile's statistics are bitwise the same whatever the group, and
-its pieces on two shards add up to them (``group_invariant``). The program that holds a row's label also writes its logit,
-divided by the temperature with the same operation as the tile.
+its pieces on two shards add up to them (``group_invariant``). The program that holds a row's label
+also writes its logit, divided by the temperature with the same operation as the tile.
 
 ``shard_grad``: the backend's own backward kernel with the merged statistics (``m = lse``,
 ``log s = 0``) and the label's column within the shard (outside it: no one-hot).

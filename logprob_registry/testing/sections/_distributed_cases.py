@@ -73,5 +73,5 @@ def output_tolerances(case: Case, data) -> tuple:
     return family_of(case).output_tolerances(case, data)
 
 
-__all__ = ["FAMILIES", "GROUPS", "KINDS", "KL_SHARD_OPS", "WORLD", "Case", "cases", "family_of", "inputs", "output_tolerances",
-           "program", "reference", "same_bits"]
+__all__ = ["FAMILIES", "GROUPS", "KINDS", "KL_SHARD_OPS", "WORLD", "Case", "cases", "family_of", "inputs",
+           "output_tolerances", "program", "reference", "same_bits"]
