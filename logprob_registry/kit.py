@@ -26,7 +26,7 @@ Triton, never a compiler).
 - CUDA graphs: :func:`capturing` (no host reads of device values while a graph is captured);
 - the tile protocol of the shard ops (``shard_stats``, ``shard_grad``, ...): :data:`TILE`,
   :func:`grid` (:class:`Slot`), :func:`grid_offset`, :func:`exact_sum`, :func:`n_tiles`,
-  :func:`tiled`, :func:`tile_stats_`, :func:`tree_sum`, :func:`tree_sum_`,
+  :func:`tiled`, :func:`tile_stats_`, :func:`tree_sum`,
   :func:`label_columns`, :func:`next_power_of_two`; the sampler's processing of a shard's block:
   :func:`shard_processed`, :func:`shard_rounded`, :func:`shard_kept`, :func:`shard_masked`,
   :func:`shard_label_values`, :func:`shard_grad_z`, :func:`shard_chain`, :func:`shard_top_list`,
@@ -59,7 +59,6 @@ from .distributed.tiles import (
     tile_stats_,
     tiled,
     tree_sum,
-    tree_sum_,
 )
 from .dtypes import FLOAT_DTYPES, dtype_name, result_dtype
 from .processing import PAD_ID
@@ -133,7 +132,6 @@ __all__ = [
     "grid_offset",
     "topk_ids",
     "tree_sum",
-    "tree_sum_",
     "truncation_boundary",
     "variable_value",
 ]

@@ -40,11 +40,24 @@ def _logits(shape, dtype=torch.float32, seed=0, scale=3.0):
 
 
 # ------------------------------------------------------------------------------ tile protocol
-def test_tree_sum_in_place_gives_the_bits_of_out_of_place():
-    y = _logits((5, 3, 4096)).exp()
-    assert torch.equal(tiles.tree_sum(y), tiles.tree_sum_(y.clone()))
+def test_exact_sums_of_the_pieces_of_a_tile_add_up_to_its_bits_and_tree_sum_needs_a_power_of_two():
+    e = (_logits((5, 4096)) - 12.0).exp()
+    whole = tiles.exact_sum(e)
+    for cut in (1, 1000, 4095):
+        left, right = e.clone(), e.clone()
+        left[:, cut:], right[:, :cut] = 0.0, 0.0
+        assert torch.equal(tiles.exact_sum(left) + tiles.exact_sum(right), whole)
+    assert torch.equal(tiles.exact_sum(e.flip(-1)), whole) and whole.dtype == torch.float64
+    assert torch.isnan(tiles.exact_sum(torch.tensor([[0.5, float("nan")]]))).all()
     with pytest.raises(ValueError, match="power-of-two last dim, got 6; pad with zeros first"):
         tiles.tree_sum(torch.ones(2, 6))
+
+
+def test_the_grid_cuts_a_shard_at_global_multiples_of_the_tile():
+    assert tiles.grid(5000, 3000) == [tiles.Slot(0, 3000, 904)]
+    assert tiles.grid(0, 8193) == [tiles.Slot(0, 4096, 0), tiles.Slot(4096, 8192, 0), tiles.Slot(8192, 8193, 0)]
+    assert tiles.grid(4000, 200) == [tiles.Slot(0, 96, 4000), tiles.Slot(96, 200, 0)]
+    assert tiles.grid_slots(4000, 200) == 2 and tiles.grid(4000, 200)[0].p1 == 4096
 
 
 def test_tile_stats_of_masked_and_nan_tiles():
@@ -109,7 +122,15 @@ def _local(rank=0, width=4096, start=None, labels=None, **kw):
 
 def test_the_header_gives_the_layout_when_the_ranks_agree():
     layout = header.check(_table(_local(0, 8192, 4096), _local(1, 4096, 0), _local(2, 4096, 12288)), _local())
-    assert layout.order == (1, 0, 2) and layout.vocab == 16384 and layout.tiles == (2, 1, 1) and layout.aligned
+    assert layout.order == (1, 0, 2) and layout.vocab == 16384 and layout.slots == (2, 1, 1) and layout.aligned
+
+
+def test_the_layout_names_the_grid_tiles_each_shard_meets_and_those_it_shares():
+    """Shards off the 4096-column grid: [0, 5000), [5000, 8000) (inside one tile), [8000, 16384)."""
+    layout = header.check(_table(_local(0, 5000, 0), _local(1, 3000, 5000), _local(2, 8384, 8000)), _local())
+    assert layout.slots == (2, 1, 3) and not layout.aligned
+    assert [layout.shared(r) for r in range(3)] == [(False, True), (True, True), (True, False)]
+    assert [layout.first_tile(r) for r in range(3)] == [0, 1, 1]
 
 
 @pytest.mark.parametrize("ranks, message", [

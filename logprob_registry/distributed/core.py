@@ -90,10 +90,9 @@ def _exact_at(layout: header.Layout, count: int, width: int, maxima: Tuple[int, 
     return count * width + (edge * len(sums) + sums.index(i)) * _words(acc)
 
 
-def _exact_columns(layout: header.Layout, count: int, acc: torch.dtype, on_grid: bool,
-                   maxima: Tuple[int, ...] = (0,)) -> int:
+def _exact_columns(layout: header.Layout, count: int, acc: torch.dtype, maxima: Tuple[int, ...]) -> int:
     """The packet's columns of the shared tiles' exact sums: the first and the last tile's, per sum."""
-    return 2 * len(_sums(count, maxima)) * _words(acc) if on_grid and not layout.aligned else 0
+    return 0 if layout.aligned else 2 * len(_sums(count, maxima)) * _words(acc)
 
 
 def _edges(layout: header.Layout, rank: int) -> tuple:
@@ -160,23 +159,21 @@ def complete(group: Group, layout: header.Layout, stats: Optional[Stats], device
 
 
 def gather(group: Group, layout: header.Layout, stats: Optional[Stats], count: int, columns: int,
-           device: torch.device, acc: torch.dtype, failure: Optional[BaseException] = None, on_grid: bool = False,
+           device: torch.device, acc: torch.dtype, failure: Optional[BaseException] = None,
            maxima: Tuple[int, ...] = (0,)):
     """The statistics all-gather: ``(W, N, count * width + E + columns)`` on ``device``, and
     ``width``, the most tiles of a rank (each per-tile statistic padded to it).
 
-    ``count``: the per-tile statistics gathered (the first ``count`` of ``stats.tiles``, in ``acc``);
-    ``on_grid``: they lie on the global tile grid (:attr:`.header.Layout.slots`; else cut from each
-    shard's first column), and the exact float64 sums of a shared tile's pieces travel as their bits
-    in ``E`` columns (:func:`complete` first; ``maxima``: the indices of the statistics that are
-    maxima, the others are sums); ``columns``: the per-row columns after them
+    ``count``: the per-tile statistics gathered (the first ``count`` of ``stats.tiles``, in ``acc``,
+    on the global tile grid: :attr:`.header.Layout.slots`); the exact float64 sums of a shared
+    tile's pieces travel as their bits in ``E`` columns (:func:`complete` first; ``maxima``: the
+    indices of the statistics that are maxima, the others are sums); ``columns``: the per-row columns after them
     (``stats.rows``, the label logits; K for candidate labels). ``failure``: this rank could not
     compute its statistics after the header (a sampler's second round); it still joins the gather,
     with its failure flag set (one more column, after the others), so that every rank raises
     instead of the others hanging."""
-    rows, nts = layout.rows, layout.slots if on_grid else layout.tiles
-    width = max(nts)
-    exact = _exact_columns(layout, count, acc, on_grid, maxima)
+    rows, width = layout.rows, max(layout.slots)
+    exact = _exact_columns(layout, count, acc, maxima)
     first = count * width + exact
     packet = torch.zeros(rows, first + columns + 1, dtype=acc, device=device)
     if failure is not None:
@@ -203,19 +200,15 @@ def gather(group: Group, layout: header.Layout, stats: Optional[Stats], count: i
     return gathered[..., :-1], width
 
 
-def in_order(gathered: torch.Tensor, width: int, layout: header.Layout, i: int,
-             count: Optional[int] = None, maxima: Tuple[int, ...] = (0,)) -> torch.Tensor:
-    """The ``i``-th per-tile statistic of :func:`gather`'s result, ``(N, total tiles)`` in global tile
-    order (the ranks by their shard's start). ``count`` (the statistics gathered) for statistics on
-    the grid (``maxima``: the indices of the maxima): the max of a shared tile is its pieces' max, a
-    sum its pieces' exact sums added (exact: the same bits as the whole tile's) and rounded once to
-    the packet's dtype."""
-    if count is None:
-        nts = layout.tiles
-        return torch.cat([gathered[r, :, i * width:i * width + nts[r]] for r in layout.order], dim=1)
+def in_order(gathered: torch.Tensor, width: int, layout: header.Layout, i: int, count: int,
+             maxima: Tuple[int, ...] = (0,)) -> torch.Tensor:
+    """The ``i``-th of the ``count`` per-tile statistics of :func:`gather`'s result, ``(N, total
+    tiles)`` in global tile order (``maxima``: the indices of the maxima): the max of a shared tile
+    is its pieces' max, a sum its pieces' exact sums added (exact: the same bits as the whole
+    tile's) and rounded once to the packet's dtype."""
     rows, acc = gathered.shape[1], gathered.dtype
     total = n_tiles(layout.vocab, layout.tile)
-    exact = _exact_columns(layout, count, acc, True, maxima)
+    exact = _exact_columns(layout, count, acc, maxima)
     words = _words(acc)
     if i in maxima:
         out = torch.full((rows, total), NEG_INF, dtype=acc, device=gathered.device)

@@ -95,13 +95,8 @@ class Layout:
     tile: int
 
     @property
-    def tiles(self) -> tuple:
-        """Tiles per rank, cut from the shard's first column (kl_divergence's statistics)."""
-        return tuple(-(-w // self.tile) for w in self.widths)
-
-    @property
     def slots(self) -> tuple:
-        """Tiles of the global grid each rank's shard meets (the logits side's statistics)."""
+        """Tiles of the global grid each rank's shard meets."""
         return tuple(grid_slots(s, w, self.tile) for s, w in zip(self.starts, self.widths))
 
     @property

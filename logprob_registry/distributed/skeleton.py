@@ -36,7 +36,7 @@ from ..opspec import OPS
 from ..registry import Expected, Registry
 from . import core, header, support
 from .group import Group
-from .tiles import TILE, grid_slots, n_tiles
+from .tiles import TILE, grid_slots
 
 
 class Plan(NamedTuple):
@@ -60,9 +60,6 @@ class Sharded:
 
     #: What the header's checksum covers (``labels``, or kl_divergence's mask), for its message.
     labels_name = "labels"
-    #: Whether the statistics lie on the global tile grid (:mod:`.tiles`; shared tiles completed by
-    #: :func:`.core.complete`), or are cut from each shard's first column.
-    on_grid = True
     #: The indices of the per-tile statistics that are maxima (the others are sums against them).
     maxima: Tuple[int, ...] = (0,)
 
@@ -136,33 +133,30 @@ class Sharded:
     def tile_stats(self, key, inputs: tuple, options: dict, present: tuple, labels: Optional[int],
                    acc: torch.dtype, start: Optional[int] = None, width: Optional[int] = None) -> core.Stats:
         """A statistics shard op's per-tile statistics (those ``present``), ``(rows, n_tiles)`` each
-        (the first in ``acc``, the sums in float64 on the grid), and with ``labels`` (not None: the
+        (the maxima in ``acc``, the sums in float64), and with ``labels`` (not None: the
         op's last output) the label logits per row; ``start``, ``width``: of the columns the call
         covers (default: the shard's)."""
         start = self.start if start is None else start
         width = self.call.vocab if width is None else width
         rows = self.rows
-        nt = grid_slots(start, width, TILE) if self.on_grid else n_tiles(width, TILE)
-        words = "grid tiles" if self.on_grid else "tiles"
-        tile = Expected((rows, nt), flat=True, words=f"{rows} rows x {nt} {words} of {TILE} columns")
+        nt = grid_slots(start, width, TILE)
+        tile = Expected((rows, nt), flat=True, words=f"{rows} rows x {nt} grid tiles of {TILE} columns")
         expected = tuple(tile if wanted else None for wanted in present)
         if labels is not None:
             expected += (Expected((rows, labels), flat=True, words=f"{rows} rows x {labels} label logits")
                          if labels else None,)
         out = self.shard(key, inputs, options, expected, self.call.backend)
-        sums = torch.float64 if self.on_grid else acc
-        parts = tuple(value.reshape(rows, nt).to(acc if i in self.maxima else sums) if wanted else None
+        parts = tuple(value.reshape(rows, nt).to(acc if i in self.maxima else torch.float64) if wanted else None
                       for i, (wanted, value) in enumerate(zip(present, out)))
         per_row = out[len(present)].reshape(rows, labels).to(acc) if labels else None
         return core.Stats(parts, per_row)
 
     def gathered(self, layout, stats: Optional[core.Stats], count: int, device, acc,
                  failure: Optional[BaseException] = None):
-        """:func:`.core.gather` of ``count`` statistics (:func:`.core.complete` first, on the grid)."""
-        if self.on_grid:
-            stats, failure = core.complete(self.group, layout, stats, device, acc, failure, self.maxima)
-        return core.gather(self.group, layout, stats, count, self.packed()[1], device, acc, failure, self.on_grid,
-                           self.maxima)
+        """:func:`.core.gather` of ``count`` statistics, the shared grid tiles completed first
+        (:func:`.core.complete`)."""
+        stats, failure = core.complete(self.group, layout, stats, device, acc, failure, self.maxima)
+        return core.gather(self.group, layout, stats, count, self.packed()[1], device, acc, failure, self.maxima)
 
     def forward(self) -> Tuple[tuple, tuple]:
         """``(outputs, saved)`` on every rank (see :meth:`results`), or every rank raises the same error."""

@@ -94,25 +94,13 @@ def next_power_of_two(n: int) -> int:
 
 def tree_sum(y: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim (a power of two) by halving: ``y[..., :w] + y[..., w:]`` until one is
-    left. Out of place; see :func:`tree_sum_` for the same adds in place."""
+    left, out of place."""
     w = y.shape[-1]
     if w & (w - 1):
         raise ValueError(f"tree_sum needs a power-of-two last dim, got {w}; pad with zeros first")
     while w > 1:
         w //= 2
         y = y[..., :w] + y[..., w:]
-    return y[..., 0]
-
-
-def tree_sum_(y: torch.Tensor) -> torch.Tensor:
-    """:func:`tree_sum` in place: ``y`` (last dim a power of two) is overwritten and its first column,
-    a view, holds the sums. The same adds in the same pairs, so the same bits, without temporaries."""
-    w = y.shape[-1]
-    if w & (w - 1):
-        raise ValueError(f"tree_sum_ needs a power-of-two last dim, got {w}; pad with zeros first")
-    while w > 1:
-        w //= 2
-        y[..., :w].add_(y[..., w:2 * w])
     return y[..., 0]
 
 
