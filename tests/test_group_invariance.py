@@ -1,4 +1,4 @@
-"""Group invariance on any vocabulary (docs/distributed.md#group-invariance): with process_group=,
+"""Group invariance on any vocabulary (docs/distributed.md#invariance-the-same-bits-on-any-split): with process_group=,
 results and the gradients of what is sharded are the same bits for every group size and every split
 of the vocabulary into contiguous shards of any widths, on the vocabularies people train (Qwen's
 151936, Qwen3.5's 248320, Llama 3's 128256), whose shards are not multiples of 128, let alone of
@@ -6,8 +6,8 @@ the 4096-column tile.
 
 One spawned gloo group of four runs every case (:func:`_program`) in groups of 1, 2 (ranks in
 reverse order), 3 and 4 ranks with uneven widths, and a DTensor ``Shard(-1)`` of a 1-D mesh of
-three ranks; the tests below compare the bits with the group of one (each rank alone, the same
-process_group= path).
+three ranks, and the group of four on one row alone (batch invariance); the tests below compare
+the bits with the group of one (each rank alone, the same process_group= path).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ CASES = {
     "kl-reverse-bf16-temperature": ("kl_divergence", "bfloat16", {"direction": "reverse", "temperature": 0.9}),
     "kl-hidden-forward": ("kl_divergence", "float32", {"direction": "forward", "hidden": True}),
 }
+BATCH_CASES = ("logits-top_k-top_p", "hidden-fp32-bias", "kl-reverse-bf16-temperature")
 
 
 def widths(vocab: int, parts: int) -> tuple:
@@ -65,13 +66,15 @@ def _data(vocab: int, dtype: torch.dtype, seed: int):
                 upstream=torch.rand(*ROWS, 2, generator=g))
 
 
-def _call(name: str, vocab: int, start: int, width: int, group, dtensor_mesh=None):
+def _call(name: str, vocab: int, start: int, width: int, group, dtensor_mesh=None, first=None):
     """The case on this rank's shard ``[start, start + width)``: (outputs, gradient of the shard,
-    gradient of the hidden states or None)."""
+    gradient of the hidden states or None); ``first``: on the first ``first`` rows (of dim 0) only."""
     import logprob_registry as lr
 
     op, dtype, options = CASES[name]
     data = _data(vocab, getattr(torch, dtype), int(hashlib.sha1(name.encode()).hexdigest()[:6], 16) + vocab)
+    if first is not None:
+        data = {k: v if k in ("weight", "teacher_weight", "bias") else v[:first] for k, v in data.items()}
     options = dict(options)
     cols = slice(start, start + width)
     kw = dict(backend=B, process_group=group, vocab_start=start)
@@ -130,6 +133,10 @@ def _program(rank: int, world: int) -> dict:
                 start = sum(ws[:where])
                 for name in CASES:
                     out[(vocab, n, name)] = (_call(name, vocab, start, ws[where], group), start, ws[where])
+        ws = widths(vocab, 4)
+        for name in BATCH_CASES:  # batch invariance: the group of four on the first row of dim 0 alone
+            out[(vocab, "batch", name)] = (_call(name, vocab, sum(ws[:rank]), ws[rank], dist.group.WORLD, first=1),
+                                           sum(ws[:rank]), ws[rank])
         if rank < 3:
             for name in ("logits-fp32", "logits-bf16-temperature", "logits-top_k-top_p"):
                 w = -(-vocab // 3)
@@ -196,6 +203,20 @@ def test_a_dtensor_shard_of_three_ranks_gives_the_bits_of_the_group_of_one(ranks
     for name in ("logits-fp32", "logits-bf16-temperature", "logits-top_k-top_p"):
         problems = _problems(ranks, vocab, name, ("dtensor",))
         assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_a_row_alone_gives_its_bits_among_all_rows(ranks, vocab):
+    """Batch invariance on the sharded path: the first row of dim 0 alone, in the group of four,
+    gives its outputs and its rows of the shard's gradient among all rows."""
+    for name in BATCH_CASES:
+        for rank, got in enumerate(ranks):
+            (outs, grad, _), _, _ = got[(vocab, "batch", name)]
+            (all_outs, all_grad, _), _, _ = got[(vocab, 4, name)]
+            for i, (a, b) in enumerate(zip(outs, all_outs)):
+                assert _bits(a) == _bits(b[:1].contiguous()), f"V={vocab} {name} rank {rank}: output {i}"
+            if CASES[name][0] != "logprobs_from_hidden":  # (the weight's gradient sums over the rows)
+                assert _bits(grad) == _bits(all_grad[:1].contiguous()), f"V={vocab} {name} rank {rank}: gradient"
 
 
 def test_the_splits_are_uneven_and_off_the_tile_grid():
