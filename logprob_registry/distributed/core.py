@@ -83,8 +83,7 @@ def _sums(count: int, maxima: Tuple[int, ...]) -> Tuple[int, ...]:
     return tuple(i for i in range(count) if i not in maxima)
 
 
-def _exact_at(layout: header.Layout, count: int, width: int, maxima: Tuple[int, ...], acc: torch.dtype,
-              edge: int, i: int) -> int:
+def _exact_at(count: int, width: int, maxima: Tuple[int, ...], acc: torch.dtype, edge: int, i: int) -> int:
     """The packet's column of sum ``i``'s exact float64 bits for ``edge`` (0: the first tile, 1: the last)."""
     sums = _sums(count, maxima)
     return count * width + (edge * len(sums) + sums.index(i)) * _words(acc)
@@ -139,8 +138,7 @@ def complete(group: Group, layout: header.Layout, stats: Optional[Stats], device
     if failure is not None or stats is None:
         return stats, failure
     try:
-        parts = [None if p is None else p.clone() for p in stats.tiles]
-        done = set()
+        parts, done = list(stats.tiles), set()
         for _, slot in _edges(layout, me):
             if slot in done:
                 continue
@@ -152,6 +150,8 @@ def complete(group: Group, layout: header.Layout, stats: Optional[Stats], device
                 continue  # this piece holds its tile's maxima in every row: measured against them already
             for k, value in enumerate(stats.recompute(slot, references)):
                 if parts[k] is not None and value is not None:
+                    if parts[k] is stats.tiles[k]:  # the shard op's own tensor: written into a copy
+                        parts[k] = parts[k].clone()
                     parts[k][:, slot] = value.reshape(-1).to(parts[k].dtype)
         return stats._replace(tiles=tuple(parts)), None
     except Exception as exc:  # carried by the statistics gather's failure column
@@ -186,7 +186,7 @@ def gather(group: Group, layout: header.Layout, stats: Optional[Stats], count: i
         for edge, slot in (_edges(layout, group.rank) if exact else ()):
             for i in _sums(count, maxima):
                 bits = stats.tiles[i][:, slot].to(device=device, dtype=torch.float64).contiguous().view(acc)
-                at = _exact_at(layout, count, width, maxima, acc, edge, i)
+                at = _exact_at(count, width, maxima, acc, edge, i)
                 packet[:, at:at + words] = bits.view(rows, words)
         if stats.rows is not None:
             packet[:, first:first + columns] = stats.rows.reshape(rows, -1).to(device)
@@ -222,7 +222,7 @@ def in_order(gathered: torch.Tensor, width: int, layout: header.Layout, i: int, 
             continue
         values = values.to(torch.float64)
         for edge, slot in (_edges(layout, r) if exact else ()):
-            at = _exact_at(layout, count, width, maxima, acc, edge, i)
+            at = _exact_at(count, width, maxima, acc, edge, i)
             values[:, slot] = gathered[r, :, at:at + words].contiguous().view(torch.float64).view(rows)
         out[:, g0:g0 + n] += values
     return out.to(acc)

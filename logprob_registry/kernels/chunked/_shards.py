@@ -64,12 +64,12 @@ def _load(scratch: torch.Tensor, chunk: torch.Tensor, temperature: float, offset
     return out
 
 
-def _on_grid(z: torch.Tensor, offset: int, nt: int, tile: int) -> torch.Tensor:
-    """``z`` (rows, width) at its columns of ``nt`` grid tiles (from ``offset``), -inf around it."""
+def _on_grid(z: torch.Tensor, offset: int, nt: int, tile: int, fill: float = float("-inf")) -> torch.Tensor:
+    """``z`` (rows, width) at its columns of ``nt`` grid tiles (from ``offset``), ``fill`` around it."""
     width = z.shape[1]
     if offset == 0 and width == nt * tile:
         return z
-    return torch.nn.functional.pad(z, (offset, nt * tile - width - offset), value=float("-inf"))
+    return torch.nn.functional.pad(z, (offset, nt * tile - width - offset), value=fill)
 
 
 def _reference_rows(reference, sl):
@@ -198,11 +198,12 @@ def _weight_tile(weight, bias, slot: Slot, acc, tile: int):
     """The weight's (and bias's) rows of ``slot`` at their places in a fresh ``(tile, H)`` buffer of
     the compute dtype, zeros elsewhere: every tile's matmul has one shape, whatever the shard."""
     c0, c1, p0 = slot.c0, slot.c1, slot.p0
-    w = torch.zeros((tile, weight.shape[1]), dtype=acc, device=weight.device)
+    new = torch.empty if c1 - c0 == tile else torch.zeros  # a whole tile is all copied: no zeros to write
+    w = new((tile, weight.shape[1]), dtype=acc, device=weight.device)
     w[p0:p0 + c1 - c0].copy_(weight[c0:c1])
     b = None
     if bias is not None:
-        b = torch.zeros(tile, dtype=acc, device=bias.device)
+        b = new(tile, dtype=acc, device=bias.device)
         b[p0:p0 + c1 - c0].copy_(bias[c0:c1])
     return w, b
 
@@ -539,7 +540,7 @@ def sampled_hidden_shard_grad(hidden, weight, labels, lse, entropy, grad_logprob
                               None if g_ent is None else g_ent[r0:r1])
         dz = kit.shard_chain(dz, xr, temperature=_temperature_rows(temperature, slice(r0, r1)), softcap=softcap,
                              logits_dtype=logits_dtype)
-        return torch.nn.functional.pad(dz, (slot.p0, tile - slot.p1))  # the tile's shape, zeros outside the slot
+        return _on_grid(dz, slot.p0, 1, tile, fill=0.0)  # the tile's shape, zeros outside the slot
 
     return _hidden_tile_grad(hidden, weight, bias, vocab_start=vocab_start, acc=acc, tile=tile,
                              needs_grad=needs_grad, budget=budget, dz_of=dz_of)
