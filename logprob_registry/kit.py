@@ -25,7 +25,8 @@ Triton, never a compiler).
 - a frozen lm_head: :func:`label_minus_mean` (the hidden gradient from an accumulated ``softmax @ W``);
 - CUDA graphs: :func:`capturing` (no host reads of device values while a graph is captured);
 - the tile protocol of the shard ops (``shard_stats``, ``shard_grad``, ...): :data:`TILE`,
-  :func:`grid` (:class:`Slot`), :func:`grid_offset`, :func:`exact_sum`, :func:`n_tiles`,
+  :func:`grid` (:class:`Slot`), :func:`grid_offset`, :func:`exact_sum` (:data:`QUANTUM_BITS`,
+  :func:`exact_parts`: the same bits from float32 adds), :func:`n_tiles`,
   :func:`tiled`, :func:`tile_stats_`, :func:`tree_sum`,
   :func:`label_columns`, :func:`next_power_of_two`; the sampler's processing of a shard's block:
   :func:`shard_processed`, :func:`shard_rounded`, :func:`shard_kept`, :func:`shard_masked`,
@@ -48,8 +49,10 @@ from .config import get as variable_value
 from .distributed.tiles import (
     CROSS_BITS,
     NEG_INF,
+    QUANTUM_BITS,
     TILE,
     Slot,
+    exact_parts,
     exact_sum,
     grid,
     grid_offset,
@@ -127,7 +130,9 @@ __all__ = [
     "tiled",
     "Slot",
     "CROSS_BITS",
+    "exact_parts",
     "exact_sum",
+    "QUANTUM_BITS",
     "grid",
     "grid_offset",
     "topk_ids",

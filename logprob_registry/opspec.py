@@ -523,7 +523,7 @@ _STATS = ("tile_max", "tile_sumexp", "tile_elog", "label_logits")
 _STATS_DOC = ("per row and grid tile of z = logits / temperature (in float32, float64 for float64 input): "
               "tile_max = max z, tile_sumexp = sum e, tile_elog = sum e * log e (0 where z is -inf; None "
               "unless with_entropy=True) with e = exp(z - tile_max), all of shape (..., n_tiles), the sums "
-              "float64 and exact (logprob_registry.kit.exact_sum: each term rounded to a multiple of 2**-40, "
+              "float64 and exact (logprob_registry.kit.exact_sum: each term rounded to a multiple of 2**-36, "
               "added without rounding); label_logits "
               "(...) = z at column labels - vocab_start where the shard holds the label and it is not "
               "ignore_index, else 0 (None when labels is None). A tile's statistics must depend on its own "

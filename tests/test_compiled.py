@@ -351,3 +351,23 @@ def test_backward_skips_rows_with_a_zero_upstream_gradient(inplace):
     lp, ent = lr.logprobs_and_entropy(sub, y[active], ignore_index=-100, backend="compiled")
     (lp.sum() + (ent * up[active]).sum()).backward()
     assert torch.equal(leaf.grad[active], sub.grad)
+
+
+def test_exact_sums_are_the_kits_bits_from_float32_parts():
+    """The tile kernels' exact sum (three float32 sums, constants written out in _math, whose source
+    keys the prebuilt packages) is kit.exact_sum's bits, for float32 and float64 terms, in any order."""
+    from logprob_registry import kit
+    from logprob_registry.distributed.tiles import PART_CONSTANTS
+    from logprob_registry.kernels.compiled import _math
+
+    assert _math._PARTS == PART_CONSTANTS and _math._QUANTUM == 2.0 ** kit.QUANTUM_BITS
+    g = torch.Generator().manual_seed(3)
+    terms = torch.rand(16, 4096, generator=g) * 1.37 - 0.37  # e in [0, 1] and e * (z - m) in [-1/e, 0]
+    terms[0, :7] = torch.tensor([2.0 ** -37, 3 * 2.0 ** -37, 0.5 + 2.0 ** -37, 1.0, 0.0, -2.0 ** -37, 2.0 ** -12 * 1.5])
+    for x in (terms, terms.double()):
+        whole = _math._exact(x).view(-1)
+        assert torch.equal(whole, kit.exact_sum(x)) and whole.dtype == torch.float64
+        assert torch.equal(_math._exact(x.flip(-1)).view(-1), whole)
+    hi, mid, lo = kit.exact_parts(terms)
+    for part, bits in ((hi, 12), (mid, 24), (lo, 36)):  # each a multiple of its quantum
+        assert torch.equal(torch.round(part.double() * 2.0 ** bits), part.double() * 2.0 ** bits)

@@ -5,8 +5,9 @@ grid): a shard starting at ``vocab_start`` has ``offset = vocab_start % TILE`` c
 tile outside it, and its last tile may end past it (:func:`grid_slots`). Per row and tile (the
 shard's piece of it) a backend returns ``m = max z``, ``s = sum e`` and ``t = sum e (z - m)`` with
 ``e = exp(z - m)``, the sums *exact*: each term rounded to a multiple of ``2**-QUANTUM_BITS`` and
-summed in float64, where sums of at most a tile of such terms never round (:func:`exact_sum`). So a
-tile's statistics are the same bits in whatever order or pieces its terms are added.
+summed in float64, where sums of at most a tile of such terms never round (:func:`exact_sum`; a
+kernel computes the same bits with three float32 sums, :func:`exact_parts`). So a tile's statistics
+are the same bits in whatever order or pieces its terms are added.
 
 A tile that two shards share (a shard edge off the grid) is completed by the core: each piece's max
 is gathered, a piece below the tile's max is recomputed against it (the option ``reference``), and
@@ -31,9 +32,14 @@ import torch
 TILE = 4096
 NEG_INF = float("-inf")
 #: The terms of a tile's exact sums are multiples of ``2**-QUANTUM_BITS``: a tile of 4096 terms of at
-#: most 1 in magnitude sums below ``2**52``, so float64 adds them without rounding (a term's rounding,
-#: at most ``2**-41``, is far below float32's ``2**-24`` relative to the tile's sum, at least 1).
-QUANTUM_BITS = 40
+#: most 1 in magnitude sums below ``2**48`` of them, so float64 adds them without rounding (a term's
+#: rounding, at most ``2**-37``, keeps a tile's sum, at least 1, within ``2**-25``: float32's own).
+#: 36 bits is also what three float32 sums hold exactly (:func:`exact_parts`), so a kernel needs no
+#: float64 in its loop.
+QUANTUM_BITS = 36
+#: :func:`exact_parts`' constants ``1.5 * 2**k``: adding one rounds a float32 term below its binade's
+#: width to a multiple of its ulp (``2**-12``, ``2**-24``, ``2**-36``).
+PART_CONSTANTS = (1.5 * 2.0 ** 11, 1.5 * 2.0 ** -1, 1.5 * 2.0 ** -13)
 #: kl_divergence's cross term sums terms ``w (z_t - z_s)`` of magnitude up to ``2 * max |z|``: at
 #: multiples of ``2**-CROSS_BITS`` a tile's sum stays exact in float64 for ``|z| <= 2**14`` (the
 #: contract's 1e4 logits; beyond, it rounds like any sum); each term's rounding, at most ``2**-26``,
@@ -77,10 +83,27 @@ def grid(vocab_start: int, width: int, tile: int = TILE) -> List[Slot]:
 
 def exact_sum(x: torch.Tensor, bits: int = QUANTUM_BITS) -> torch.Tensor:
     """The sum over the last dim (at most a tile, ``|x| <= 1``; :data:`CROSS_BITS`: ``|x| <= 2**15``) of
-    ``x`` rounded to multiples of ``2**-bits``, in float64, with no rounding in the adds: the same
-    bits in any order or split (NaN and infinities propagate)."""
-    scale = float(2 ** bits)
-    return torch.round(x * scale).to(torch.float64).sum(-1).mul_(1.0 / scale)
+    ``x`` rounded to multiples of ``2**-bits`` (ties to even), in float64, with no rounding in the adds:
+    the same bits in any order or split (NaN and infinities propagate). The rounding is an add and a
+    subtract of ``1.5 * 2**(52 - bits)``, whose ulp is ``2**-bits`` (faster than ``torch.round``)."""
+    magic = 1.5 * 2.0 ** (52 - bits)
+    return x.to(torch.float64, copy=True).add_(magic).sub_(magic).sum(-1)
+
+
+def exact_parts(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` (float32, ``|x| <= 1``) rounded to a multiple of ``2**-36`` as three float32 parts whose
+    sums over a tile never round, in any order: ``hi`` (multiples of ``2**-12``, a tile's sum at most
+    ``2**12``), ``mid`` (of ``2**-24``, at most ``2**-13`` each) and ``lo`` (of ``2**-36``, at most
+    ``2**-25`` each), each 24 bits at most. Then ``hi.sum() + mid.sum() + lo.sum()``, in float64, is
+    :func:`exact_sum`'s bits (ties to even, as ``torch.round``): how a kernel computes it with float32
+    adds only (twice as fast on a CPU; a GPU's float64 is slower still). Only adds, no rounding mode
+    or fast-math assumption beyond IEEE round to nearest."""
+    c1, c2, c3 = PART_CONSTANTS
+    hi = (x + c1) - c1
+    r = x - hi
+    mid = (r + c2) - c2
+    lo = ((r - mid) + c3) - c3
+    return hi, mid, lo
 
 
 def n_tiles(width: int, tile: int = TILE) -> int:

@@ -3,8 +3,8 @@ when one of them runs, like :mod:`._kernels`.
 
 ``shard_stats``: :func:`_tile_stats_kernel`, one program per row and grid tile, reads the shard's
 columns of the tile at once (in the logits' dtype and strides, in float32, float64 for float64) and
-reduces them with ``tl.max`` and exact sums (each term rounded to a multiple of ``2**-40`` and
-added in float64, which never rounds: ``kit.exact_sum``'s terms). The max is exact and the sums
+reduces them with ``tl.max`` and exact sums (each term rounded to a multiple of ``2**-36``:
+``kit.exact_sum``'s bits, from three float32 sums that never round, ``kit.exact_parts``). The max is exact and the sums
 do not depend on their order, so a tile's statistics are bitwise the same whatever the group, and
 its pieces on two shards add up to them (``group_invariant``). The program that holds a row's label
 also writes its logit, divided by the temperature with the same operation as the tile.
@@ -32,9 +32,16 @@ from ._kernels import _TL, INTERPRETED, _backward, _check_device, _geometry, _on
 
 @triton.jit
 def _exact_sum(x):
-    """``kit.exact_sum`` of a block: terms rounded to multiples of 2**-40 (half up), added in float64."""
-    q = tl.floor(x.to(tl.float64) * 1099511627776.0 + 0.5)
-    return tl.sum(q, 0) * (1.0 / 1099511627776.0)
+    """``kit.exact_sum`` of a block, terms rounded to multiples of 2**-36 (ties to even), as float64:
+    float32 terms by ``kit.exact_parts``' three float32 sums, which never round (no float64 in the
+    loop: a GPU's float64 is slow); float64 terms rounded and added as they are."""
+    if x.dtype == tl.float64:  # 1.5 * 2**16: its ulp is 2**-36
+        return tl.sum((x + 98304.0) - 98304.0, 0)
+    hi = (x + 3072.0) - 3072.0
+    r = x - hi
+    mid = (r + 0.75) - 0.75
+    lo = ((r - mid) + 0.00018310546875) - 0.00018310546875
+    return (tl.sum(hi, 0).to(tl.float64) + tl.sum(mid, 0).to(tl.float64)) + tl.sum(lo, 0).to(tl.float64)
 
 
 @triton.jit
