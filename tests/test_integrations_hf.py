@@ -52,3 +52,58 @@ def test_token_stats_without_logits_equal_the_models_own(name):
 def test_a_model_without_an_lm_head_is_refused_with_a_sentence():
     with pytest.raises(TypeError, match="needs a transformers causal LM"):
         hf.inject_head(torch.nn.Linear(3, 4))
+
+
+# ------------------------------------------------------------------ under FSDP2's fully_shard, 2 gloo ranks
+SHARDINGS = {"layers-and-model": False, "lm_head-too": True}
+BATCH = 4  # each of the 2 ranks takes half: data parallel, FSDP2 averages the gradients
+
+
+def _batch():
+    ids = torch.randint(3, 97, (BATCH, 9), generator=torch.Generator().manual_seed(2))
+    return ids, lr.next_token_labels(ids)
+
+
+def _sharded_program(rank, world):
+    """Each sharding: the injected head's loss on this rank's half of the batch, backward; the full
+    parameter gradients (``p.grad.full_tensor()``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    ids, labels = _batch()
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    out = {}
+    for name, head_too in SHARDINGS.items():
+        model = _model("llama").train()
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        if head_too:
+            fully_shard(model.lm_head, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with hf.inject_head(model, outputs=("logprobs",), backend="chunked"):
+            stats = model(ids[rows], labels=labels[rows], return_token_stats=True)
+            (-stats.logprobs.sum()).backward()
+        out[name] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    from logprob_registry.distributed import launch
+
+    return [r.unwrap() for r in launch.run(2, _sharded_program, timeout=240)]
+
+
+@pytest.mark.parametrize("sharding", list(SHARDINGS))
+def test_under_fully_shard_the_parameter_gradients_equal_the_single_process_ones(sharded, sharding):
+    model = _model("llama").train()
+    ids, labels = _batch()
+    with hf.inject_head(model, outputs=("logprobs",), backend="chunked"):
+        (-model(ids, labels=labels, return_token_stats=True).logprobs.sum() / 2).backward()  # FSDP2's mean
+    want = {n: p.grad for n, p in model.named_parameters()}
+    for rank, got in enumerate(sharded):
+        assert set(got[sharding]) == set(want)
+        for name, grad in want.items():
+            torch.testing.assert_close(got[sharding][name], grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name, rank=rank: f"rank {rank}, {name}: {m}")

@@ -2,7 +2,8 @@
 dependency of this package), each with ``install(backend=None)`` returning a :class:`Handle`
 (``.uninstall()``, a context manager; installing twice is harmless; uninstalling restores every
 replaced attribute exactly). :func:`installed` names what is installed now. docs/integrations.md
-says what each replaces.
+says what each replaces. ``megatron.output_processor`` replaces nothing (Megatron-Core's
+``GPTModel.forward`` takes it as an argument), so megatron has no ``install()``.
 
     from logprob_registry.integrations import trl
     with trl.install():

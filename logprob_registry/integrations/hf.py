@@ -1,8 +1,9 @@
 """Any transformers causal LM: ``inject_head(model, outputs=("logprobs",))`` makes
 ``model(input_ids, labels=labels, return_token_stats=True)`` return an :class:`lr.TokenStats` computed
-from the decoder's hidden states and the model's own ``lm_head`` parameters (so FSDP2 and PEFT keep
-working on them) by :func:`lr.token_stats`: the ``(N, V)`` logits are never formed. The model's
-``final_logit_softcapping`` and logit scale (Cohere's ``logit_scale``, Granite's ``1 /
+from the decoder's hidden states and the model's own ``lm_head`` parameters by :func:`lr.token_stats`,
+run through the ``lm_head`` module's call (so FSDP2's ``fully_shard``, of the model or of the
+``lm_head`` itself, gathers and reduces them as usual): the ``(N, V)`` logits are never formed. The
+model's ``final_logit_softcapping`` and logit scale (Cohere's ``logit_scale``, Granite's ``1 /
 logits_scaling``) are read from its config. ``labels`` are aligned with the positions, as
 ``lr.next_token_labels(input_ids)`` makes them (no shift inside); positions at ``ignore_index``
 (default -100) give 0. Without ``return_token_stats`` the model is unchanged (generation included).
@@ -10,7 +11,7 @@ logits_scaling``) are read from its config. ``labels`` are aligned with the posi
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import logprob_registry as lr
 
@@ -23,6 +24,21 @@ def _scale(config: Any) -> Optional[float]:
     if scale is None and getattr(config, "logits_scaling", None):
         scale = 1.0 / float(config.logits_scaling)
     return None if scale in (None, 0, 1.0) else float(scale)
+
+
+def _through(head: Any, fn: Callable[[Any], Any], hidden: Any) -> Any:
+    """``fn(hidden)`` run as ``head``'s forward, through ``head(hidden)``, so that the hooks of a
+    wrapper of the lm_head run around it: ``fully_shard(model.lm_head)`` gathers the weight before
+    and reduce-scatters its gradient after (``head.weight`` alone would be this rank's DTensor rows)."""
+    own = head.__dict__.get("forward")
+    head.forward = fn
+    try:
+        return head(hidden)
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
 
 
 def inject_head(model: Any, outputs: Sequence[str] = ("logprobs",), *, temperature: float = 1.0,
@@ -48,10 +64,14 @@ def inject_head(model: Any, outputs: Sequence[str] = ("logprobs",), *, temperatu
         call_temperature = kwargs.pop("temperature", temperature)
         kwargs.pop("logits_to_keep", None)
         hidden = model.get_decoder()(*args, **kwargs)[0]
-        return lr.token_stats(hidden, labels, weight=head.weight, bias=head.bias,
-                              outputs=tuple(token_stats_outputs or outputs), temperature=call_temperature,
-                              ignore_index=ignore_index if labels is not None else None, softcap=softcap,
-                              logit_scale=scale, backend=backend)
+
+        def stats(hidden: Any) -> lr.TokenStats:  # read at call time: FSDP2's unsharded weight
+            return lr.token_stats(hidden, labels, weight=head.weight, bias=head.bias,
+                                  outputs=tuple(token_stats_outputs or outputs), temperature=call_temperature,
+                                  ignore_index=ignore_index if labels is not None else None, softcap=softcap,
+                                  logit_scale=scale, backend=backend)
+
+        return _through(head, stats, hidden)
 
     forward.__doc__ = original.__doc__
     return _install(f"hf.inject_head({type(model).__name__}@{id(model):x})", lambda: [(model, "forward", forward)],
