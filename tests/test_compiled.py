@@ -353,6 +353,35 @@ def test_backward_skips_rows_with_a_zero_upstream_gradient(inplace):
     assert torch.equal(leaf.grad[active], sub.grad)
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_logprobs_forward_runs_on_the_rows_whose_label_is_not_ignored(inplace, softcap, monkeypatch):
+    """logprobs_from_logits (no entropy asked) runs its kernel on the active rows only: their results
+    and gradients bitwise a call over them alone, the ignored rows 0 with a zero gradient, also when
+    every row is ignored."""
+    seen = []
+    row_stats = _ops._row_stats
+    monkeypatch.setattr(_ops, "_row_stats", lambda name, rows, *a: seen.append(rows.shape[0]) or row_stats(name, rows, *a))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 600, generator=g) * 3
+    y = torch.randint(0, 600, (40,), generator=g)
+    y[::3] = -100
+    y[1] = -100
+    kw = dict(ignore_index=-100, temperature=0.7, softcap=softcap, backend="compiled")
+    leaf = x.clone().requires_grad_(True)
+    lp = lr.logprobs_from_logits(leaf * 1, y, inplace_backward=inplace, **kw)
+    lp.sum().backward()
+    active = y != -100
+    sub = x[active].clone().requires_grad_(True)
+    alone = lr.logprobs_from_logits(sub, y[active], **kw)
+    alone.sum().backward()
+    assert torch.equal(lp[active], alone) and torch.equal(leaf.grad[active], sub.grad)
+    assert bool((lp[~active] == 0).all()) and bool((leaf.grad[~active] == 0).all())
+    assert seen == [int(active.sum())] * 2  # the kernel saw the active rows only, both calls
+    none = lr.logprobs_from_logits(x, torch.full_like(y, -100), **kw)
+    assert torch.equal(none, torch.zeros(40))
+
+
 def test_exact_sums_are_the_kits_bits_from_float32_parts():
     """The tile kernels' exact sum (three float32 sums, constants written out in _math, whose source
     keys the prebuilt packages) is kit.exact_sum's bits, for float32 and float64 terms, in any order."""

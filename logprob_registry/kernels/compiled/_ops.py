@@ -94,7 +94,8 @@ def _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy, cap=N
     if want_entropy:
         m, s, u, picked = _row_stats("fwd_entropy" + suffix, rows, idx, k, *extra)
     else:
-        m, s, picked = _row_stats("fwd_logprobs" + suffix, rows, idx, k, *extra)
+        m, s, picked = (_active_row_stats("fwd_logprobs" + suffix, rows, idx, ignored, k, *extra)
+                        or _row_stats("fwd_logprobs" + suffix, rows, idx, k, *extra))
     log_s = s.log()
     logp = entropy = None
     if want_logp:
@@ -122,6 +123,32 @@ def _row_stats(name: str, rows: torch.Tensor, idx: torch.Tensor, k: float, *extr
         return _run(name, rows, idx, k, *extra)
     parts = [_run(name, plane, *_take((idx, k) + extra, index)) for index, plane in _planes(rows)]
     return tuple(torch.stack(outs).view(idx.shape) for outs in zip(*parts))
+
+
+def _active_row_stats(name: str, rows: torch.Tensor, idx: torch.Tensor, ignored: Optional[torch.Tensor], k: float,
+                      *extra) -> Optional[tuple]:
+    """:func:`_row_stats` of the log-probabilities' kernel on the rows whose label is not ignored
+    (GRPO's prompt rows cost a copy of the others, not a softmax), scattered into N-sized outputs:
+    ``m = 0, s = 1`` at an ignored row, whose log-probability is 0 and whose upstream gradient is
+    made 0 (so backward skips it: :func:`_on_active_rows`, the same layout condition). The kernel
+    is per row: an active row's results are bitwise the call's over every row. None (run every
+    row) when no row is ignored, the rows are not one contiguous plane, or a CUDA graph is being
+    captured (no host read of the count)."""
+    if ignored is None or rows.dim() != 2 or not rows.is_contiguous() or kit.capturing(ignored):
+        return None
+    active = ~ignored.view(-1)
+    index = active.nonzero().flatten()
+    n = active.numel()
+    if index.numel() == n:
+        return None
+    acc = result_dtype(rows.dtype)
+    m = torch.zeros(n, 1, dtype=acc, device=rows.device)
+    s = torch.ones(n, 1, dtype=acc, device=rows.device)
+    if not index.numel():
+        return m, s, torch.zeros(n, 1, dtype=rows.dtype if not extra else acc, device=rows.device)
+    part = _row_stats(name, rows.index_select(0, index), idx.index_select(0, index), k, *extra)
+    picked = part[2].new_zeros(n, 1)
+    return tuple(full.index_copy_(0, index, p.to(full.dtype)) for full, p in zip((m, s, picked), part))
 
 
 def _outputs(f: _Forward, shape: torch.Size) -> tuple:
