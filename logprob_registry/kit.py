@@ -27,7 +27,7 @@ Triton, never a compiler).
 - the tile protocol of the shard ops (``shard_stats``, ``shard_grad``, ...): :data:`TILE`,
   :func:`grid` (:class:`Slot`), :func:`grid_offset`, :func:`exact_sum` (:data:`QUANTUM_BITS`,
   :func:`exact_parts`: the same bits from float32 adds), :func:`n_tiles`,
-  :func:`tiled`, :func:`tile_stats_`, :func:`tree_sum`,
+  :func:`tiled`, :func:`tile_stats_` (:func:`token_tile_stats_`), :func:`tree_sum`,
   :func:`label_columns`, :func:`next_power_of_two`; the sampler's processing of a shard's block:
   :func:`shard_processed`, :func:`shard_rounded`, :func:`shard_kept`, :func:`shard_masked`,
   :func:`shard_label_values`, :func:`shard_grad_z`, :func:`shard_chain`, :func:`shard_top_list`,
@@ -61,6 +61,7 @@ from .distributed.tiles import (
     next_power_of_two,
     tile_stats_,
     tiled,
+    token_tile_stats_,
     tree_sum,
 )
 from .dtypes import FLOAT_DTYPES, dtype_name, result_dtype
@@ -127,6 +128,7 @@ __all__ = [
     "shard_rounded",
     "shard_top_list",
     "tile_stats_",
+    "token_tile_stats_",
     "tiled",
     "Slot",
     "CROSS_BITS",

@@ -529,6 +529,13 @@ _STATS_DOC = ("per row and grid tile of z = logits / temperature (in float32, fl
               "ignore_index, else 0 (None when labels is None). A tile's statistics must depend on its own "
               "columns only (bitwise, for backends declaring group_invariant: then the pieces of a tile "
               "two shards share add up to the whole tile's)")
+#: shard_token_stats: shard_stats' outputs, two more exact sums per tile and the shard's first maximum.
+_TOKEN_STATS = _STATS[:3] + ("tile_sumsq", "tile_zsum") + _STATS[3:] + ("row_max", "row_argmax")
+_TOKEN_STATS_DOC = ("per row and grid tile tile_sumsq = sum e**2 (exact, as tile_sumexp; against the reference "
+                    "too) and tile_zsum = sum z over the finite z (exact at multiples of 2**-kit.CROSS_BITS), "
+                    "(..., n_tiles) float64 each; and per row of the shard row_max = max z (...) and row_argmax "
+                    "(...) int64, the global id of its first maximum (NaN counts as the largest, as torch.argmax "
+                    "has it); with shard_sampler, over the kept tokens")
 _KL_SIDES = (Option("student_weight", None, "(V_local, H_s) or None: the student is hidden states (..., H_s)"),
              Option("teacher_weight", None, "(V_local, H_t) or None: the teacher is hidden states (..., H_t)"))
 _KL_DIRECTION = Option("direction", "forward", '"forward": KL(teacher || student); "reverse": KL(student || teacher)')
@@ -682,6 +689,14 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
         dtype_input="logits", grad_inputs=(),
     ),
     OpSpec(
+        name="shard_token_stats", function=None,
+        inputs=("logits", "labels"),
+        options=(_VOCAB_START, _TILE, _TEMPERATURE, _IGNORE_INDEX, _ENTROPY, _REFERENCE) + _SHARD_SAMPLER,
+        outputs=_TOKEN_STATS,
+        doc="shard_stats (token_stats with process_group=) with, in the same pass, " + _TOKEN_STATS_DOC,
+        dtype_input="logits", grad_inputs=(),
+    ),
+    OpSpec(
         name="shard_grad", function=None,
         inputs=("logits", "labels", "lse", "entropy", "grad_logprobs", "grad_entropy"),
         options=(_VOCAB_START, _TEMPERATURE, _INPLACE) + _SHARD_SAMPLER,
@@ -698,6 +713,15 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
         outputs=_STATS,
         doc="shard_stats of the logits hidden @ weight.T + bias of a weight shard (V_local, H), without "
             "forming them; hidden (..., H)",
+        dtype_input="hidden", grad_inputs=(),
+    ),
+    OpSpec(
+        name="hidden_shard_token_stats", function=None,
+        inputs=("hidden", "weight", "labels"),
+        options=(Option("bias", None, "tensor (V_local,) or None"), _VOCAB_START, _TILE, _TEMPERATURE,
+                 _IGNORE_INDEX, _ENTROPY, _REFERENCE) + _SHARD_SAMPLER + (_SHARD_LOGITS_DTYPE,),
+        outputs=_TOKEN_STATS,
+        doc="shard_token_stats of the logits hidden @ weight.T + bias of a weight shard, without forming them",
         dtype_input="hidden", grad_inputs=(),
     ),
     OpSpec(

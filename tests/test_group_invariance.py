@@ -37,8 +37,15 @@ CASES = {
     "kl-forward": ("kl_divergence", "float32", {"direction": "forward"}),
     "kl-reverse-bf16-temperature": ("kl_divergence", "bfloat16", {"direction": "reverse", "temperature": 0.9}),
     "kl-hidden-forward": ("kl_divergence", "float32", {"direction": "forward", "hidden": True}),
+    # token_stats: all eight fields (the four differentiable ones in the loss)
+    "stats-fp32": ("token_stats", "float32", {}),
+    "stats-bf16-top_k-top_p-temperature": ("token_stats", "bfloat16", {"top_k": 40, "top_p": 0.9, "temperature": 0.7}),
+    "stats-hidden-fp32-bias": ("token_stats", "float32", {"hidden": True, "bias": True}),
+    "stats-hidden-bf16-min_p": ("token_stats", "bfloat16", {"hidden": True, "min_p": 0.05}),
 }
-BATCH_CASES = ("logits-top_k-top_p", "hidden-fp32-bias", "kl-reverse-bf16-temperature")
+BATCH_CASES = ("logits-top_k-top_p", "hidden-fp32-bias", "kl-reverse-bf16-temperature",
+               "stats-bf16-top_k-top_p-temperature")
+DTENSOR_CASES = ("logits-fp32", "logits-bf16-temperature", "logits-top_k-top_p", "stats-fp32")
 
 
 def widths(vocab: int, parts: int) -> tuple:
@@ -55,7 +62,7 @@ def widths(vocab: int, parts: int) -> tuple:
 
 def _data(vocab: int, dtype: torch.dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
-    return dict(logits=(torch.randn(*ROWS, vocab, generator=g) * 3).to(dtype),
+    out = dict(logits=(torch.randn(*ROWS, vocab, generator=g) * 3).to(dtype),
                 teacher=(torch.randn(*ROWS, vocab, generator=g) * 3).to(dtype),
                 teacher_weight=(torch.randn(vocab, HIDDEN + 8, generator=g) * 0.5).to(dtype),
                 teacher_hidden=torch.randn(*ROWS, HIDDEN + 8, generator=g).to(dtype),
@@ -63,7 +70,11 @@ def _data(vocab: int, dtype: torch.dtype, seed: int):
                 hidden=torch.randn(*ROWS, HIDDEN, generator=g).to(dtype),
                 weight=(torch.randn(vocab, HIDDEN, generator=g) * 0.5).to(dtype),
                 bias=torch.randn(vocab, generator=g).to(dtype),
-                upstream=torch.rand(*ROWS, 2, generator=g))
+                upstream=torch.rand(*ROWS, 8, generator=g))
+    # two labels at their row's argmax (token_stats' is_argmax then has something to find)
+    out["labels"][0, 0] = out["logits"][0, 0].float().argmax()
+    out["labels"][1, 1] = (out["hidden"][1, 1].float() @ out["weight"].float().T + out["bias"].float()).argmax()
+    return out
 
 
 def _call(name: str, vocab: int, start: int, width: int, group, dtensor_mesh=None, first=None):
@@ -91,6 +102,16 @@ def _call(name: str, vocab: int, start: int, width: int, group, dtensor_mesh=Non
         shard = data["weight"][cols].clone().requires_grad_(True)
         bias = data["bias"][cols] if options.pop("bias", False) else None
         outs = lr.logprobs_from_hidden(hidden, shard, data["labels"], bias=bias, **options, **kw)
+    elif op == "token_stats":
+        fields = lr.TokenStats._fields
+        if options.pop("hidden", False):
+            hidden = data["hidden"].clone().requires_grad_(True)
+            shard = data["weight"][cols].clone().requires_grad_(True)
+            bias = data["bias"][cols] if options.pop("bias", False) else None
+            outs = tuple(lr.token_stats(hidden, data["labels"], weight=shard, bias=bias, outputs=fields, **options,
+                                        **kw))
+        else:
+            outs = tuple(lr.token_stats(shard, data["labels"], outputs=fields, **options, **kw))
     elif op == "topk_logprobs":
         outs = lr.topk_logprobs(shard, options.pop("k"), **options, **kw)
     elif op == "kl_divergence" and options.pop("hidden", False):  # both sides hidden states, each its H
@@ -138,7 +159,7 @@ def _program(rank: int, world: int) -> dict:
             out[(vocab, "batch", name)] = (_call(name, vocab, sum(ws[:rank]), ws[rank], dist.group.WORLD, first=1),
                                            sum(ws[:rank]), ws[rank])
         if rank < 3:
-            for name in ("logits-fp32", "logits-bf16-temperature", "logits-top_k-top_p"):
+            for name in DTENSOR_CASES:
                 w = -(-vocab // 3)
                 start = min(rank * w, vocab)
                 out[(vocab, "dtensor", name)] = (_call(name, vocab, start, min(w, vocab - start), None, mesh),
@@ -171,7 +192,7 @@ def _problems(ranks, vocab, name, kinds) -> list:
                 if _bits(a) != _bits(b):
                     problems.append(f"{what}: output {i} differs from the group of one's bits "
                                     f"(max {(a.double() - b.double()).abs().max().item():.3g})")
-            rows_sharded = CASES[name][0] == "logprobs_from_hidden" or CASES[name][2].get("hidden")
+            rows_sharded = CASES[name][0] == "logprobs_from_hidden" or CASES[name][2].get("hidden")  # weight rows
             cols = alone_grad[start:start + width] if rows_sharded else alone_grad[..., start:start + width]
             if _bits(grad) != _bits(cols.contiguous()):
                 problems.append(f"{what}: the shard's gradient differs from the same columns of the group of one's")
@@ -200,7 +221,7 @@ def test_the_hidden_gradient_is_the_same_on_every_rank_of_a_group(ranks, vocab):
 
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_a_dtensor_shard_of_three_ranks_gives_the_bits_of_the_group_of_one(ranks, vocab):
-    for name in ("logits-fp32", "logits-bf16-temperature", "logits-top_k-top_p"):
+    for name in DTENSOR_CASES:
         problems = _problems(ranks, vocab, name, ("dtensor",))
         assert not problems, "\n".join(problems)
 
@@ -217,6 +238,28 @@ def test_a_row_alone_gives_its_bits_among_all_rows(ranks, vocab):
                 assert _bits(a) == _bits(b[:1].contiguous()), f"V={vocab} {name} rank {rank}: output {i}"
             if CASES[name][0] != "logprobs_from_hidden":  # (the weight's gradient sums over the rows)
                 assert _bits(grad) == _bits(all_grad[:1].contiguous()), f"V={vocab} {name} rank {rank}: gradient"
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_token_stats_fields_are_those_of_the_call_without_a_group(ranks, vocab):
+    """token_stats with process_group= (the group of one) within the contract of the call without a
+    group on the same backend, is_argmax exactly (two labels sit at their row's argmax)."""
+    import logprob_registry as lr
+
+    for name in ("stats-fp32", "stats-hidden-fp32-bias"):
+        op, dtype, options = CASES[name]
+        data = _data(vocab, torch.float32, int(hashlib.sha1(name.encode()).hexdigest()[:6], 16) + vocab)
+        kw = dict(outputs=lr.TokenStats._fields, backend=B)
+        if options.get("hidden"):
+            plain = lr.token_stats(data["hidden"], data["labels"], weight=data["weight"], bias=data["bias"], **kw)
+        else:
+            plain = lr.token_stats(data["logits"], data["labels"], **kw)
+        outs = ranks[0][(vocab, 1, name)][0][0]
+        for field, got, want in zip(lr.TokenStats._fields, outs, plain):
+            if field == "is_argmax":
+                assert torch.equal(got, want) and int(got.sum()) >= 1, f"V={vocab} {name}: is_argmax"
+            else:
+                assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), f"V={vocab} {name}: {field}"
 
 
 def test_the_splits_are_uneven_and_off_the_tile_grid():

@@ -229,10 +229,11 @@ def in_order(gathered: torch.Tensor, width: int, layout: header.Layout, i: int, 
 
 
 def combine(gathered: torch.Tensor, width: int, layout: header.Layout, labels: Optional[torch.Tensor],
-            ignore_index: Optional[int], with_entropy: bool) -> Merged:
+            ignore_index: Optional[int], with_entropy: bool, count: Optional[int] = None) -> Merged:
     """Merge the gathered statistics in global tile order; the log-probabilities of ``labels``
-    (global ids, or None) from the owner's label logit."""
-    count = 3 if with_entropy else 2
+    (global ids, or None) from the owner's label logit (the packet's last columns). ``count``: the
+    per-tile statistics gathered (default: 3 with the entropy, else 2)."""
+    count = count or (3 if with_entropy else 2)
 
     def part(i: int) -> torch.Tensor:
         return in_order(gathered, width, layout, i, count)

@@ -44,6 +44,17 @@ def merge(m: torch.Tensor, s: torch.Tensor, t: Optional[torch.Tensor]) -> Tuple[
     return lse, log_total - _tree_over_tiles((t + s * dm) * w) / total
 
 
+def merge_squares(m: torch.Tensor, s: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``log sum p**2`` per row from tile statistics ``m, s`` and ``q = sum exp(z - m)**2`` (N, T),
+    global order: ``log sum q w**2 - 2 log sum s w`` with ``w = exp(m - M)``, by the same fixed tree."""
+    big = m.amax(-1)
+    big_safe = big.masked_fill(big == NEG_INF, 0.0)
+    live = m != NEG_INF
+    zero = torch.zeros((), dtype=m.dtype, device=m.device)
+    w = torch.where(live, torch.exp(torch.where(live, m - big_safe.unsqueeze(-1), zero)), zero)
+    return torch.log(_tree_over_tiles(q * w * w)) - 2.0 * torch.log(_tree_over_tiles(s * w))
+
+
 def merge_cross(m: torch.Tensor, s: torch.Tensor, c: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(lse, mean)`` per row from one side's tile statistics ``m, s`` and a per-tile sum ``c`` weighted
     by that side's ``exp(z - m)`` (all (N, T), global order): ``lse`` as :func:`merge`, and ``mean =

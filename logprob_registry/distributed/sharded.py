@@ -1,6 +1,7 @@
 """The public ops with ``process_group=``: each call's :class:`~.skeleton.Plan`, run by the one
 skeleton (:mod:`.skeleton`), and the side of the logits ops, ``logprobs_from_hidden`` and
-``topk_logprobs`` (:class:`Logits`; kl_divergence's is :mod:`.kl`'s).
+``topk_logprobs`` (:class:`Logits`), and token_stats' (:class:`Stats`, a Logits with more statistics;
+kl_divergence's is :mod:`.kl`'s).
 
 Each rank holds a vocabulary shard: of the logits ``(..., V_local)`` (``logprobs``, ``entropy``,
 ``logprobs_and_entropy``, ``topk_logprobs``), or of the lm_head weight ``(V_local, H)`` and bias
@@ -31,6 +32,7 @@ from ..validation import check_label_range
 from . import core, header, kl, sampled
 from .core import BackwardFailedError  # noqa: F401 - raised by the hidden backward (core.sum_over_group)
 from .group import Group, resolve
+from .merge import _tree_over_tiles, merge_squares
 from .skeleton import Plan, Sharded, function
 from .tiles import TILE, grid
 
@@ -199,13 +201,18 @@ class Logits(Sharded):
         if plain:
             options.update(keep=None, boundary=boundary, with_entropy=False)
         present = (True, True, self.want_entropy and not plain)
-        key = self.key(self.plan.stats_op, self.call.grad)
+        key = self.key(self.plain_op if plain else self.plan.stats_op, self.call.grad)
         out = self.tile_stats(key, self._stats_inputs(), options, present, self.label_count(), acc)
 
         def recompute(slot: int, references: tuple) -> tuple:
             return self._slot_stats(key, options, present, slot, references[0], acc)
 
         return out._replace(recompute=recompute)
+
+    @property
+    def plain_op(self) -> str:
+        """The statistics op of the decision's plain rounds (:meth:`stats` with ``plain``)."""
+        return self.plan.stats_op
 
     def _slot_stats(self, key, options: dict, present: tuple, slot: int, reference: torch.Tensor, acc) -> tuple:
         """One grid tile's statistics against ``reference`` (the whole tile's max per row): the same
@@ -237,7 +244,7 @@ class Logits(Sharded):
             options.pop("boundary")
         if self.hidden:
             options["bias"] = self.options["bias"]
-        inputs = self.call.inputs[:2] if self.hidden else self.call.inputs[:1]
+        inputs = self._shard_inputs()
         k, rows = options["k"], self.rows
         per_row = Expected((rows, k), flat=True, words=f"{rows} rows x k={k} (the leading dims, then k)")
         return self.shard(self.key(op), inputs, options, (per_row, per_row), self.call.backend)
@@ -251,10 +258,12 @@ class Logits(Sharded):
             out["logits_dtype"] = self.options.get("logits_dtype")
         return out
 
+    def _shard_inputs(self) -> tuple:
+        """The shard ops' tensors before the labels: (hidden, weight), or (logits,)."""
+        return self.call.inputs[:2] if self.hidden else self.call.inputs[:1]
+
     def _stats_inputs(self) -> tuple:
-        if self.hidden:
-            return self.call.inputs  # hidden, weight, labels
-        return self.call.inputs[0], self.labels
+        return self._shard_inputs() + (self.labels,)
 
     def _stats_options(self) -> dict:
         options = self.options
@@ -326,6 +335,191 @@ def _nothing_kept(merged: core.Merged) -> core.Merged:
     return core.Merged(merged.lse, entropy, logprobs)
 
 
+# ------------------------------------------------------------------ token_stats
+COUNT = 5  # tile_max, tile_sumexp, tile_elog, tile_sumsq, tile_zsum
+ROWS = 2   # row_max, row_argmax: the per-row columns before the label logits
+_DIFFERENTIABLE = ("logprobs", "entropy", "raw_logprobs", "raw_entropy")
+
+
+class Stats(Logits):
+    """token_stats' side: :class:`Logits` with the entropy always computed, the token statistics'
+    extra columns, the raw fields and their merge.
+    ``token_stats(..., process_group=...)``: every field of :class:`~logprob_registry.TokenStats`
+    over vocabulary shards; its plans (:data:`PLANS`) and its side of the skeleton (:class:`Stats`, the
+    logits side of :mod:`.sharded` with more statistics).
+
+    The shard op ``shard_token_stats`` (``hidden_shard_token_stats``) is ``shard_stats`` with, in the
+    same pass, two more exact sums per grid tile (``sum e**2``, ``sum z``) and, per row, the shard's max
+    and the global id of its first maximum. They travel in the same gather (two more numbers per tile
+    and per row; a tile two ranks share is completed as the others are, :func:`.core.complete`) and are
+    merged in global tile order:
+
+    * ``logprobs``, ``entropy``: as the logits ops' (:func:`.core.combine`);
+    * ``log_sum_p2 = log sum q w**2 - 2 log sum s w`` (:func:`~.merge.merge_squares`);
+    * ``mean_logit``: the tiles' exact ``sum z`` added by the fixed tree, over the vocabulary;
+      ``max_logit``: the max of the tiles' maxima;
+    * ``is_argmax``: the label is the first maximum of the first rank (in vocabulary order) whose max
+      is the row's.
+
+    With the sampler's truncation the processed fields come from the kept tokens (the truncation
+    decision's rounds, :class:`.sampled.Truncation`), and the raw ones (``raw_*``, ``mean_logit``,
+    ``max_logit``) from one more statistics call and gather without it; without truncation the raw
+    fields are the processed ones. Backward: the logits ops' (``shard_grad``, ``hidden_shard_grad``) with
+    the upstream gradients of a field and its raw twin added, or, with truncation, once with it and
+    once without, summed. Every result is the same bits for every group size and split (:mod:`.tiles`).
+    """
+
+    def __init__(self, plan: Plan, op: str, call: Union[Call, BaseException], group: Group,
+                 registry: Registry) -> None:
+        super().__init__(plan, op, call, group, registry)
+        options = self.options
+        self.hidden = options.get("weight") is not None
+        self.fields = OPS[op].output_names(options) if self.call is not None else ()
+        self.want_logprobs = self.labels is not None
+        self.want_entropy = True
+        self.raw_local = None
+
+    def differentiable(self) -> tuple:
+        if self.hidden:
+            return self.call.inputs[0], self.options["weight"], self.options["bias"]
+        return (self.call.inputs[0],)
+
+    def _shard_inputs(self) -> tuple:
+        if self.hidden:
+            return self.call.inputs[0], self.options["weight"]
+        return (self.call.inputs[0],)
+
+    def packed(self) -> Tuple[int, int]:
+        return COUNT, ROWS + self.label_count()
+
+    def stats(self, acc, plain: bool = False, boundary=None, raw: bool = False) -> core.Stats:
+        """This shard's token statistics over the kept tokens (``raw``: over every token, the
+        sampler's truncation left out); ``plain``: as :meth:`Logits.stats` (the decision's
+        rounds: ``shard_stats``)."""
+        if plain:
+            return super().stats(acc, plain=True, boundary=boundary)
+        options = self._stats_options()
+        if raw:
+            options.update(keep=None, boundary=None)
+        present = (True,) * COUNT
+        key = self.key(self.plan.stats_op, self.call.grad)
+        out = self.tile_stats(key, self._stats_inputs(), options, present, self.label_count(), acc, after=ROWS)
+
+        def recompute(slot: int, references: tuple) -> tuple:
+            return self._slot_stats(key, options, present, slot, references[0], acc)
+
+        return out._replace(recompute=recompute)
+
+    @property
+    def plain_op(self) -> str:
+        return "hidden_shard_stats" if self.hidden else "shard_stats"
+
+    def rounds(self, layout, stats, device, acc) -> tuple:
+        stats, failure = super().rounds(layout, stats, device, acc)
+        if self.truncating and failure is None:
+            try:
+                self.raw_local = self.stats(acc, raw=True)
+            except Exception as exc:  # carried by the statistics gather's failure column
+                return None, exc
+        return stats, failure
+
+    def _merged(self, layout, gathered, width) -> tuple:
+        """``(Merged, m, s, q, zs)`` of a gather: the logits ops' merge and the per-tile statistics in
+        global order."""
+        merged = core.combine(gathered, width, layout, self.labels, self.options.get("ignore_index"), True,
+                              count=COUNT)
+        parts = tuple(core.in_order(gathered, width, layout, i, COUNT) for i in (0, 1, 3, 4))
+        return (merged,) + parts
+
+    def _first_max(self, layout, gathered) -> torch.Tensor:
+        """The global id of the row's first maximum: that of the first rank (in vocabulary order)
+        whose own max is the row's (or NaN)."""
+        base = gathered.shape[-1] - self.label_count() - ROWS
+        order = torch.tensor(layout.order, dtype=torch.int64, device=gathered.device)
+        values = gathered[order, :, base]  # (W, N), in vocabulary order
+        top = values.amax(0)
+        hit = (values == top.unsqueeze(0)) | torch.isnan(values)
+        rank = hit.to(torch.uint8).argmax(0)
+        rows = torch.arange(values.shape[1], device=gathered.device)
+        return gathered[order[rank], rows, base + 1].to(torch.int64)
+
+    def results(self, layout, gathered, width, lead, device, acc, on) -> Tuple[tuple, tuple]:
+        merged, m, s, q, zs = self._merged(layout, gathered, width)
+        if self.truncating:
+            merged = _nothing_kept(merged)
+            raw_gathered, raw_width = self.gathered(layout, self.raw_local, COUNT, device, acc)
+            raw, m_raw, _, _, zs = self._merged(layout, raw_gathered, raw_width)
+        else:
+            raw, m_raw = merged, m
+        values = {}
+        ignore_index = self.options.get("ignore_index")
+        if self.labels is not None:
+            shape = self.labels.shape
+            valid = torch.ones(shape, dtype=torch.bool, device=device) if ignore_index is None else \
+                self.labels.to(device) != ignore_index
+            if self.truncating:  # a label outside the kept set: -inf, a constant (no gradient)
+                self.dropped = torch.isneginf(merged.logprobs).view(shape)
+            values["logprobs"] = merged.logprobs.view(shape)
+            values["raw_logprobs"] = raw.logprobs.view(shape)
+            first = self._first_max(layout, gathered).view(shape[:len(lead)] + (1,) * (len(shape) - len(lead)))
+            values["is_argmax"] = (self.labels.to(device) == first) & valid
+        values["entropy"] = merged.entropy.view(lead)
+        values["raw_entropy"] = raw.entropy.view(lead)
+        values["log_sum_p2"] = merge_squares(m, s, q).view(lead)
+        values["mean_logit"] = (_tree_over_tiles(zs) / layout.vocab).view(lead)
+        values["max_logit"] = m_raw.amax(-1).view(lead)
+        outs = tuple(values[f].to(on.device) if f in values else None for f in self.fields)
+        if any(o is None for o in outs):  # a label field asked without labels: validation refuses it first
+            raise ValueError(f"token_stats: {', '.join(f for f, o in zip(self.fields, outs) if o is None)} "
+                             "need labels")
+        saved = (self.labels, merged.lse.to(on.device), merged.entropy.to(on.device),
+                 raw.lse.to(on.device), raw.entropy.to(on.device))
+        return outs, saved
+
+    def empty(self, lead, acc, on) -> Tuple[tuple, tuple]:
+        shape = lead if self.labels is None else tuple(self.labels.shape)
+        outs = tuple(torch.zeros(shape if f in ("logprobs", "raw_logprobs", "is_argmax") else lead,
+                                 dtype=torch.bool if f == "is_argmax" else acc, device=on.device)
+                     for f in self.fields)
+        empty = torch.zeros(lead, dtype=acc, device=on.device)
+        return outs, (self.labels, empty, empty, empty, empty)
+
+    def non_differentiable(self, outputs: tuple) -> tuple:
+        return tuple(o for f, o in zip(self.fields, outputs) if f not in _DIFFERENTIABLE)
+
+    def backward(self, tensors: tuple, saved: tuple, grads: tuple, needs: tuple) -> tuple:
+        labels, lse, entropy, raw_lse, raw_entropy = saved
+        given = dict(zip(self.fields, grads))
+        g = {f: given.get(f) for f in _DIFFERENTIABLE}
+        if not self.truncating:  # the raw fields are the processed ones: one backward with both
+            total = (_add(g["logprobs"], g["raw_logprobs"]), _add(g["entropy"], g["raw_entropy"]))
+            return super().backward(tensors, (labels, lse, entropy), total, needs)
+        out = super().backward(tensors, (labels, lse, entropy), (g["logprobs"], g["entropy"]), needs)
+        if g["raw_logprobs"] is None and g["raw_entropy"] is None and not (self.hidden and self.needs[0]):
+            return out
+        kept = (self.keep, self.boundary, self.dropped)
+        self.keep = self.boundary = self.dropped = None  # the same backward without the truncation
+        try:
+            raw = super().backward(tensors, (labels, raw_lse, raw_entropy), (g["raw_logprobs"], g["raw_entropy"]),
+                                   needs)
+        finally:
+            self.keep, self.boundary, self.dropped = kept
+        return tuple(_add(a, b) for a, b in zip(out, raw))
+
+
+def _add(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if a is None:
+        return b
+    return a if b is None else a + b
+
+
+_StatsFunction = function("process_group= (token_stats)", "For second-order gradients, gather the shards to one rank "
+                     "and call without process_group.")
+#: token_stats' plans: of logits shards, and of hidden states with a weight shard.
+_STATS_PLANS = {False: Plan("shard_token_stats", "shard_grad", Stats, _StatsFunction),
+                True: Plan("hidden_shard_token_stats", "hidden_shard_grad", Stats, _StatsFunction)}
+
+
 _ShardedFunction = function("process_group= (the logits ops)", "For second-order gradients, gather the logits to "
                             "one rank and call without process_group.")
 _ShardedHiddenFunction = function("process_group= (logprobs_from_hidden)", "For second-order gradients, gather the "
@@ -339,9 +533,12 @@ PLANS = {"logprobs": _LOGITS, "entropy": _LOGITS, "logprobs_and_entropy": _LOGIT
          _HIDDEN: _HIDDEN_PLAN, "kl_divergence": kl.PLAN}
 
 
-def plan(op: str) -> Plan:
-    """The plan of public op ``op`` with process_group=, or NotImplementedError saying so (every
-    rank of the group makes the same call, so every rank raises it, before any collective)."""
+def plan(op: str, call: Union[Call, BaseException, None] = None) -> Plan:
+    """The plan of public op ``op`` with process_group= (``token_stats``: of logits or of hidden
+    states, from its validated ``call``), or NotImplementedError saying so (every rank of the group
+    makes the same call, so every rank raises it, before any collective)."""
+    if op == "token_stats":
+        return _STATS_PLANS[isinstance(call, Call) and call.options.get("weight") is not None]
     try:
         return PLANS[op]
     except KeyError:
@@ -357,10 +554,15 @@ def run(op: str, call: Union[Call, BaseException], process_group: Any):
     error validation raised (raised on every rank, after the header exchange); returns what the
     public function returns, on every rank."""
     group = resolve(process_group)
-    chosen = plan(op)
+    chosen = plan(op, call)
     shard = chosen.side(chosen, op, call, group, get_registry())
     if shard.call is not None and shard.call.grad and "functorch" not in shard.call.features:
         # inside a torch.func transform the forward raises on every rank (support.check)
-        return chosen.function.apply(shard, *shard.differentiable())
-    outs = shard.forward()[0]
+        outs = chosen.function.apply(shard, *shard.differentiable())
+        outs = outs if isinstance(outs, tuple) else (outs,)
+    else:
+        outs = shard.forward()[0]
+    spec = OPS[op]
+    if spec.returns is not None:  # token_stats: its record, the fields not asked None
+        return spec.pack(dict(zip(spec.output_names(shard.options), outs)))
     return outs if len(outs) > 1 else outs[0]

@@ -3,8 +3,9 @@ the backward's pieces) and its autograd :func:`function`, driven by the op's :cl
 
 A plan names the op's shard ops (statistics, gradient), its side of the skeleton (a subclass of
 :class:`Sharded` filling in its hooks: the header's flags, the statistics before and after the
-header, their merge into the outputs, the gradient op's inputs; :class:`.sharded.Logits`,
-:class:`.kl.KL`) and its autograd Function. :mod:`.sharded` chooses the plan of a call and runs it.
+header, their merge into the outputs, the gradient op's inputs; :class:`.sharded.Logits` (and
+its subclass :class:`.sharded.Stats`, token_stats'), :class:`.kl.KL`) and its autograd Function.
+:mod:`.sharded` chooses the plan of a call and runs it.
 
 Forward (:meth:`Sharded.forward`): the call arrives validated, or as the validation error to
 raise; what the path does not support raises here (:mod:`.support`). Either way nothing is raised
@@ -131,11 +132,13 @@ class Sharded:
         return self.registry.run(key, backend, inputs, options, expected)[1]
 
     def tile_stats(self, key, inputs: tuple, options: dict, present: tuple, labels: Optional[int],
-                   acc: torch.dtype, start: Optional[int] = None, width: Optional[int] = None) -> core.Stats:
+                   acc: torch.dtype, start: Optional[int] = None, width: Optional[int] = None,
+                   after: int = 0) -> core.Stats:
         """A statistics shard op's per-tile statistics (those ``present``), ``(rows, n_tiles)`` each
         (the maxima in ``acc``, the sums in float64), and with ``labels`` (not None: the
-        op's last output) the label logits per row; ``start``, ``width``: of the columns the call
-        covers (default: the shard's)."""
+        op's output after them) the label logits per row, after the ``after`` per-row outputs that
+        follow them (``shard_token_stats``' row max and first maximum, in ``acc``: ids below 2**24
+        are exact); ``start``, ``width``: of the columns the call covers (default: the shard's)."""
         start = self.start if start is None else start
         width = self.call.vocab if width is None else width
         rows = self.rows
@@ -145,10 +148,14 @@ class Sharded:
         if labels is not None:
             expected += (Expected((rows, labels), flat=True, words=f"{rows} rows x {labels} label logits")
                          if labels else None,)
+        expected += (Expected((rows,), flat=True, words=f"{rows} rows (the leading dims)"),) * after
         out = self.shard(key, inputs, options, expected, self.call.backend)
         parts = tuple(value.reshape(rows, nt).to(acc if i in self.maxima else torch.float64) if wanted else None
                       for i, (wanted, value) in enumerate(zip(present, out)))
         per_row = out[len(present)].reshape(rows, labels).to(acc) if labels else None
+        if after:  # the per-row outputs first, the label logits last (core.combine reads them from the end)
+            more = torch.stack([v.reshape(rows).to(acc) for v in out[len(present) + 1:len(present) + 1 + after]], 1)
+            per_row = more if per_row is None else torch.cat([more, per_row], 1)
         return core.Stats(parts, per_row)
 
     def gathered(self, layout, stats: Optional[core.Stats], count: int, device, acc,

@@ -159,6 +159,26 @@ def tile_stats_(z: torch.Tensor, with_entropy: bool, reference: Optional[torch.T
     return m, s, exact_sum(ed)
 
 
+def token_tile_stats_(z: torch.Tensor, with_entropy: bool, reference: Optional[torch.Tensor] = None) -> tuple:
+    """:func:`tile_stats_` (``z`` overwritten) and, from the same tile, ``q = sum exp(z - m)**2`` (as
+    exact as ``s``), ``zs = sum z`` over the finite ``z`` (exact at multiples of ``2**-CROSS_BITS``)
+    and ``first``, the index in the tile of the first ``z == m`` (or NaN; the tile's width where none
+    is: a piece below its tile's ``reference``), int64: ``(m, s, t, q, zs, first)``, each (rows, tiles)."""
+    zs = exact_sum(z.masked_fill(torch.isinf(z), 0.0), CROSS_BITS)
+    m = z.amax(-1)
+    if reference is not None:
+        m = torch.maximum(m, reference.to(m.dtype).view(-1, 1).expand_as(m))
+    hit = (z == m.unsqueeze(-1)) | torch.isnan(z)
+    first = torch.where(hit.any(-1), hit.to(torch.uint8).argmax(-1), torch.full_like(m, z.shape[-1], dtype=torch.int64))
+    m_safe = m.masked_fill(m == NEG_INF, 0.0)
+    d = z.sub_(m_safe.unsqueeze(-1))
+    e = torch.exp(d)
+    s = exact_sum(e)
+    q = exact_sum(e * e)
+    t = exact_sum(d.mul_(e).masked_fill_(e == 0, 0.0)) if with_entropy else None
+    return m, s, t, q, zs, first
+
+
 def label_columns(labels: torch.Tensor, vocab_start: int, width: int,
                   ignore_index: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(owned, column)`` for flat labels: whether this shard holds the label (and it is not

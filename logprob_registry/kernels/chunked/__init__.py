@@ -219,6 +219,10 @@ def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index,
                                **sampler)
 
 
+def shard_token_stats(logits, labels, **options):
+    return _shards.shard_token_stats(logits, labels, budget=workspace_bytes(), **options)
+
+
 def shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, *, vocab_start, temperature,
                inplace_backward, **sampler):
     return _shards.shard_grad(logits, labels, lse, entropy, grad_logprobs, grad_entropy, vocab_start=vocab_start,
@@ -245,6 +249,8 @@ def register_backends(register):
             "shard_stats": shard_stats,
             "shard_grad": shard_grad,
             "hidden_shard_stats": _shards.hidden_shard_stats,
+            "shard_token_stats": shard_token_stats,
+            "hidden_shard_token_stats": _shards.hidden_shard_token_stats,
             "hidden_shard_grad": _shards.hidden_shard_grad,
             "shard_topk": shard_topk,
             "hidden_shard_topk": _shards.hidden_shard_topk,

@@ -84,8 +84,26 @@ def _empty_stats(n, nt, acc, device, with_entropy):
     return m, s, torch.empty(n, nt, dtype=torch.float64, device=device) if with_entropy else None
 
 
+class Sink:
+    """Where the loops put a stats function's outputs beyond ``(m, s, t)`` (``kit.token_tile_stats_``'
+    ``q, zs, first``): ``parts``, (n, nt) each, made at the first block (None: no block, or none)."""
+
+    def __init__(self, n: int, nt: int) -> None:
+        self.n, self.nt, self.parts = n, nt, None
+
+    def put(self, rows: slice, tiles, more) -> None:
+        if not more:
+            return
+        if self.parts is None:
+            self.parts = [torch.empty(self.n, self.nt, dtype=v.dtype, device=v.device) for v in more]
+        for part, value in zip(self.parts, more):
+            target = part[rows, tiles]  # a view: (rows, nt) for a block of rows, (rows,) for one tile
+            target.copy_(value.reshape(target.shape))
+
+
 def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, budget: int,
-                stats_fn: Optional[TileStats] = None, softcap=None, keep=None, boundary=None, reference=None):
+                stats_fn: Optional[TileStats] = None, softcap=None, keep=None, boundary=None, reference=None,
+                sink: Optional[Sink] = None):
     """Per-tile ``(m, s, t)`` of the shard and the label logits (see the op table), a chunk of rows
     at a time in a workspace of about ``budget`` bytes; with the sampler's options (feature
     ``shard_sampler``) or candidate labels, :func:`sampled_shard_stats`."""
@@ -93,7 +111,7 @@ def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index,
         return sampled_shard_stats(logits, labels, vocab_start=vocab_start, tile=tile, temperature=temperature,
                                    ignore_index=ignore_index, with_entropy=with_entropy, softcap=softcap,
                                    keep=keep, boundary=boundary, budget=budget, stats_fn=stats_fn,
-                                   reference=reference)
+                                   reference=reference, sink=sink)
     stats_fn = stats_fn or tile_stats_
     acc = result_dtype(logits.dtype)
     lead, width = logits.shape[:-1], logits.shape[-1]
@@ -113,7 +131,9 @@ def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index,
         if picked is not None:
             got = z.gather(1, (column[sl] + offset).unsqueeze(1)).squeeze(1)
             picked[sl] = torch.where(owned[sl], got, picked[sl])
-        cm, cs, ct = stats_fn(z.view(r, nt, tile), with_entropy, _reference_rows(reference, sl))
+        cm, cs, ct, *more = stats_fn(z.view(r, nt, tile), with_entropy, _reference_rows(reference, sl))
+        if sink is not None:
+            sink.put(sl, slice(None), more)
         m[start:start + r], s[start:start + r] = cm, cs
         if t is not None:
             t[start:start + r] = ct
@@ -228,7 +248,7 @@ def _hidden_rows(hidden: torch.Tensor, acc: torch.dtype, budget: int, tile: int)
 
 
 def _hidden_tile_stats(hidden, weight, bias, *, vocab_start, tile, with_entropy, budget, stats_fn, tile_of,
-                       reference=None):
+                       reference=None, sink: Optional[Sink] = None):
     """Per-tile ``(m, s, t)`` of a weight shard's logits, one grid tile of logits at a time, the
     logits of a block of rows ``r0:r1`` against a tile buffer (:func:`_weight_tile`) of ``slot``
     being ``tile_of(hb, w, b, r0, r1, slot)`` (``tile`` columns, -inf outside the slot's; it also
@@ -248,7 +268,10 @@ def _hidden_tile_stats(hidden, weight, bias, *, vocab_start, tile, with_entropy,
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             z = tile_of(h[r0:r1].to(acc), w, b, r0, r1, slot)
-            cm, cs, ct = stats_fn(z.view(r1 - r0, 1, tile), with_entropy, _reference_rows(reference, slice(r0, r1)))
+            cm, cs, ct, *more = stats_fn(z.view(r1 - r0, 1, tile), with_entropy,
+                                         _reference_rows(reference, slice(r0, r1)))
+            if sink is not None:
+                sink.put(slice(r0, r1), j, more)
             m[r0:r1, j], s[r0:r1, j] = cm[:, 0], cs[:, 0]
             if t is not None:
                 t[r0:r1, j] = ct[:, 0]
@@ -296,7 +319,7 @@ def _hidden_tile_grad(hidden, weight, bias, *, vocab_start, acc, tile, needs_gra
 
 def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index, with_entropy,
                        budget: Optional[int] = None, stats_fn: Optional[TileStats] = None, softcap=None, keep=None,
-                       boundary=None, logits_dtype=None, reference=None):
+                       boundary=None, logits_dtype=None, reference=None, sink: Optional[Sink] = None):
     """Per-tile statistics of ``hidden @ weight.T + bias`` for a weight shard, one tile of logits at a time
     (``budget``: bytes of a tile of logits, default :func:`._hidden.resolve_chunk_bytes`; ``stats_fn``:
     a backend's own tile statistics, as ``compiled`` and ``triton`` pass)."""
@@ -305,7 +328,7 @@ def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, tempe
                                           temperature=temperature, ignore_index=ignore_index,
                                           with_entropy=with_entropy, softcap=softcap, keep=keep, boundary=boundary,
                                           logits_dtype=logits_dtype, budget=budget, stats_fn=stats_fn,
-                                          reference=reference)
+                                          reference=reference, sink=sink)
     lead = hidden.shape[:-1]
     owned, column = label_columns(labels, vocab_start, weight.shape[0], ignore_index)
     picked = torch.zeros(labels_rows(lead), dtype=result_dtype(hidden.dtype), device=hidden.device)
@@ -319,7 +342,7 @@ def hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, tempe
         return z
 
     m, s, t = _hidden_tile_stats(hidden, weight, bias, vocab_start=vocab_start, tile=tile, with_entropy=with_entropy,
-                                 budget=budget, stats_fn=stats_fn, tile_of=tile_of, reference=reference)
+                                 budget=budget, stats_fn=stats_fn, tile_of=tile_of, reference=reference, sink=sink)
     return m, s, t, picked.view(lead)
 
 
@@ -390,7 +413,8 @@ def _processed_block(x, first_id, temperature, softcap, keep, boundary, acc, log
 
 
 def sampled_shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, softcap,
-                        keep, boundary, budget: int, stats_fn: Optional[TileStats] = None, reference=None):
+                        keep, boundary, budget: int, stats_fn: Optional[TileStats] = None, reference=None,
+                        sink: Optional[Sink] = None):
     stats_fn = stats_fn or tile_stats_
     acc = result_dtype(logits.dtype)
     lead, width = logits.shape[:-1], logits.shape[-1]
@@ -412,7 +436,9 @@ def sampled_shard_stats(logits, labels, *, vocab_start, tile, temperature, ignor
             picked[sl] = torch.where(owned, value, 0.0)
         kit.shard_masked(z, kept)
         z = _on_grid(z, offset, nt, tile)
-        cm, cs, ct = stats_fn(z.view(r, nt, tile), with_entropy, _reference_rows(reference, sl))
+        cm, cs, ct, *more = stats_fn(z.view(r, nt, tile), with_entropy, _reference_rows(reference, sl))
+        if sink is not None:
+            sink.put(sl, slice(None), more)
         m[sl], s[sl] = cm, cs
         if t is not None:
             t[sl] = ct
@@ -499,7 +525,7 @@ def _tile_processing(n, *, vocab_start, temperature, softcap, keep, boundary, ac
 
 def sampled_hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index,
                                with_entropy, softcap, keep, boundary, logits_dtype, budget: Optional[int] = None,
-                               stats_fn: Optional[TileStats] = None, reference=None):
+                               stats_fn: Optional[TileStats] = None, reference=None, sink: Optional[Sink] = None):
     """hidden_shard_stats with the sampler's processing, one tile of logits at a time."""
     acc = result_dtype(hidden.dtype)
     n = labels_rows(hidden.shape[:-1])
@@ -516,7 +542,7 @@ def sampled_hidden_shard_stats(hidden, weight, labels, *, bias, vocab_start, til
         return _on_grid(z, slot.p0, 1, tile)
 
     m, s, t = _hidden_tile_stats(hidden, weight, bias, vocab_start=vocab_start, tile=tile, with_entropy=with_entropy,
-                                 budget=budget, stats_fn=stats_fn, tile_of=tile_of, reference=reference)
+                                 budget=budget, stats_fn=stats_fn, tile_of=tile_of, reference=reference, sink=sink)
     return m, s, t, picked.view(labels.shape)
 
 
@@ -582,3 +608,58 @@ def hidden_shard_topk(hidden, weight, *, bias, vocab_start, temperature, k, deci
         ids = torch.cat([ids, ids.new_full((n, k - ids.shape[1]), kit.PAD_ID)], 1)
     values, ids = kit.merge_top_lists(values, ids, k)
     return values.view(*lead, k), ids.view(*lead, k)
+
+
+def _with_token_stats(stats, sink: Sink, n: int, nt: int, lead, first_column: int, tile: int, acc, device):
+    """shard_token_stats' outputs from a stats op's ``(m, s, t, labels)`` run with
+    ``kit.token_tile_stats_`` into ``sink``: the per-tile ``q, zs`` after ``(m, s, t)``, the labels,
+    then the shard's row max and the global id of its first maximum (the first tile reaching the
+    row's max, its first column there; ``first_column``: the global id of the grid's first column)."""
+    m, s, t, picked = stats
+    if sink.parts is None:  # no rows
+        q, zs = (torch.zeros(n, nt, dtype=torch.float64, device=device) for _ in range(2))
+        first = torch.zeros(n, nt, dtype=torch.int64, device=device)
+    else:
+        q, zs, first = sink.parts
+    flat = m.reshape(n, nt)
+    row_max = flat.amax(-1) if nt else torch.full((n,), float("-inf"), dtype=acc, device=device)
+    hit = (flat == row_max.unsqueeze(-1)) | torch.isnan(flat)
+    j = hit.to(torch.uint8).argmax(-1, keepdim=True) if nt else torch.zeros(n, 1, dtype=torch.int64, device=device)
+    at = first.gather(1, j).squeeze(1) if nt else torch.zeros(n, dtype=torch.int64, device=device)
+    argmax = first_column + j.squeeze(1) * tile + at
+    tiles = tuple(lead) + (nt,)
+    return (m, s, t, q.view(tiles), zs.view(tiles), picked, row_max.view(lead), argmax.view(lead))
+
+
+def shard_token_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, budget: int,
+                      **sampler):
+    """shard_stats (see the op table) with ``kit.token_tile_stats_``: the sums of ``e**2`` and ``z`` and
+    the first maximum, in the same pass."""
+    lead, width = logits.shape[:-1], logits.shape[-1]
+    offset = vocab_start % tile
+    n, nt = labels_rows(lead), n_tiles(offset + width, tile)
+    sink = Sink(n, nt)
+    stats = shard_stats(logits, labels, vocab_start=vocab_start, tile=tile, temperature=temperature,
+                        ignore_index=ignore_index, with_entropy=with_entropy, budget=budget,
+                        stats_fn=kit.token_tile_stats_, sink=sink, **sampler)
+    return _with_token_stats(stats, sink, n, nt, lead, vocab_start - offset, tile, result_dtype(logits.dtype),
+                             logits.device)
+
+
+def hidden_shard_token_stats(hidden, weight, labels, *, bias, vocab_start, tile, temperature, ignore_index,
+                             with_entropy, budget: Optional[int] = None, **sampler):
+    """hidden_shard_stats with ``kit.token_tile_stats_`` (see :func:`shard_token_stats`); ``labels``
+    may be None (no label field asked: no column is a label's)."""
+    lead = hidden.shape[:-1]
+    n, nt = labels_rows(lead), len(grid(vocab_start, weight.shape[0], tile))
+    none = labels is None
+    if none:
+        labels = torch.full(lead, -1, dtype=torch.int64, device=hidden.device)
+    sink = Sink(n, nt)
+    stats = hidden_shard_stats(hidden, weight, labels, bias=bias, vocab_start=vocab_start, tile=tile,
+                               temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
+                               budget=budget, stats_fn=kit.token_tile_stats_, sink=sink, **sampler)
+    if none:
+        stats = stats[:3] + (None,)
+    return _with_token_stats(stats, sink, n, nt, lead, vocab_start - vocab_start % tile, tile,
+                             result_dtype(hidden.dtype), hidden.device)
