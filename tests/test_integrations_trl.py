@@ -59,6 +59,25 @@ def test_fp32_agrees_with_trl_and_bf16_is_accurate_where_trl_is_not():
     assert (bf.double() - exact).abs().max() < 1e-4 < trl_error
 
 
+def test_the_fused_head_as_grpo_calls_it():
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(9, 16, generator=g), torch.randn(50, 16, generator=g)
+    args = (hidden, weight, None, torch.randint(0, 50, (9,), generator=g), 0.7, 32768, None, 1.0,
+            ("log_probs", "entropy"))  # what GRPOTrainer's add_fused_lm_head passes
+    theirs = trl_utils._ChunkedLogProbFunction.apply(*args)
+    with integration.install():
+        ours = trl_utils._ChunkedLogProbFunction.apply(*args)
+    assert ours[2:] == (None, None, None) == theirs[2:]
+    for a, b in zip(ours[:2], theirs[:2]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    leaf = hidden.clone().requires_grad_()
+    with integration.install(), torch.autocast("cpu", dtype=torch.bfloat16):  # GRPOConfig's default bf16=True
+        under = trl_utils._ChunkedLogProbFunction.apply(leaf, *args[1:])
+        under[0].sum().backward()
+    assert under[2:] == (None, None, None) and leaf.grad is not None
+    torch.testing.assert_close(under[0], ours[0], atol=1e-5, rtol=0)  # fp32 products: autocast does not reach it
+
+
 def test_the_fused_head_through_token_stats():
     g = torch.Generator().manual_seed(1)
     hidden, weight = torch.randn(20, 32, generator=g), torch.randn(300, 32, generator=g) * 0.4

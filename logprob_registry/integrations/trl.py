@@ -70,7 +70,8 @@ class _FusedHead:
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size=None, final_logit_softcapping=None,
               logit_scale=1.0, outputs=tuple(_OUTPUTS)):
-        wanted = ("logprobs",) + tuple(_OUTPUTS[name] for name in outputs)
+        # the log-probabilities are always computed; GRPOTrainer names them ("log_probs", "entropy")
+        wanted = ("logprobs",) + tuple(_OUTPUTS[name] for name in outputs if name in _OUTPUTS)
         stats = lr.token_stats(hidden, targets, weight=weight, bias=bias, outputs=wanted, temperature=temperature,
                                softcap=final_logit_softcapping, logit_scale=logit_scale or None,
                                backend=self.backend)
