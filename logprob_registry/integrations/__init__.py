@@ -2,7 +2,8 @@
 dependency of this package), each with ``install(backend=None)`` returning a :class:`Handle`
 (``.uninstall()``, a context manager; installing twice is harmless; uninstalling restores every
 replaced attribute exactly). :func:`installed` names what is installed now. docs/integrations.md
-says what each replaces.
+says what each replaces. The modules: ``trl`` (TRL 1.16), ``verl`` (verl 0.9.1), ``hf`` (any
+transformers causal LM: ``inject_head``).
 
     from logprob_registry.integrations import trl
     with trl.install():
