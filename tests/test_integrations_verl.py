@@ -5,6 +5,9 @@ patches into a model (torch and triton backends), this library's results after i
 verl's after uninstall(), the originals restored by identity; installing twice is harmless; another
 verl version raises."""
 
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -134,3 +137,17 @@ def test_an_unsupported_version_names_the_range(monkeypatch):
     with pytest.raises(ImportError, match=r"verl>=0.9.1,<0.10"):
         integration.install()
     assert installed() == []
+
+
+def test_a_worker_process_installs_through_verls_external_modules(tmp_path):
+    """verl imports the modules VERL_USE_EXTERNAL_MODULES names in every process that imports it
+    (its Ray workers too): one that calls install() puts the integration there."""
+    (tmp_path / "lr_verl_hook.py").write_text("from logprob_registry.integrations import verl\nverl.install()\n")
+    code = ("import verl.workers.engine.fsdp.transformer_impl as f, logprob_registry as lr; "
+            "print(lr.integrations.installed(), f.logprobs_from_logits.__module__)")
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="lr_verl_hook",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "['verl'] logprob_registry.integrations.verl", done.stdout
