@@ -3,6 +3,9 @@ uninstall restore TRL's functions exactly, installing twice is harmless, the rep
 give this library's results (fp32 agreement with TRL's own, bf16 accuracy TRL's own lacks), and
 the fused head and the distillation divergence go through token_stats and kl_divergence."""
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -40,6 +43,16 @@ def test_install_twice_then_uninstall_restores_every_attribute():
         handle.uninstall()
     after = _originals()
     assert all(after[k] is before[k] for k in before)
+
+
+def test_a_module_imported_while_installed_gets_the_original_back(monkeypatch):
+    original = trl_utils.selective_log_softmax
+    with integration.install():
+        late = types.ModuleType("trl._imported_while_installed")  # as `from trl.trainer.utils import ...`
+        late.selective_log_softmax = trl_utils.selective_log_softmax
+        monkeypatch.setitem(sys.modules, late.__name__, late)
+        assert late.selective_log_softmax is not original
+    assert late.selective_log_softmax is original
 
 
 def test_fp32_agrees_with_trl_and_bf16_is_accurate_where_trl_is_not():

@@ -54,6 +54,15 @@ def test_install_twice_then_uninstall_restores_every_attribute():
     assert installed() == [] and all(now is then for now, then in zip(_originals(), before))
 
 
+def test_a_module_imported_while_installed_gets_the_original_back(monkeypatch):
+    with integration.install():
+        late = types.ModuleType("verl._imported_while_installed")  # as `from verl.utils.torch_functional import`
+        late.logprobs_from_logits = verl_F.logprobs_from_logits
+        monkeypatch.setitem(sys.modules, late.__name__, late)
+        assert late.logprobs_from_logits is not BEFORE[0]
+    assert late.logprobs_from_logits is BEFORE[0]
+
+
 class _Engine:
     """What FSDPEngineWithLMHead.prepare_model_outputs reads of its engine (no FSDP, no sequence parallelism);
     built like an engine, so it picks verl_F.entropy_from_logits when it is built."""
@@ -87,8 +96,14 @@ def _exact(logits, labels, temperature):
 def test_the_engine_step_gives_this_librarys_results_then_verls():
     g = torch.Generator().manual_seed(0)
     logits, labels = (torch.randn(11, 500, generator=g) * 4).bfloat16(), torch.randint(0, 500, (11,), generator=g)
+    leaf = logits.clone().requires_grad_()
     with integration.install():
-        logp, entropy = _engine_step(logits, labels, [4, 7], 0.7)
+        logp, entropy = _engine_step(leaf, labels, [4, 7], 0.7)
+    (logp.sum() + entropy.sum()).backward()  # through the float32 division to the bf16 logits
+    wide = logits.double().requires_grad_()
+    sum(_exact(wide, labels, 0.7)[i].sum() for i in (0, 1)).backward()
+    torch.testing.assert_close(leaf.grad.double(), wide.grad, atol=1e-3, rtol=1e-2)
+    logp, entropy = logp.detach(), entropy.detach()
     assert logp.dtype == entropy.dtype == torch.float32
     torch.testing.assert_close(logp, lr.logprobs_from_logits(logits, labels, temperature=0.7), atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy, lr.entropy_from_logits(logits, temperature=0.7), atol=1e-5, rtol=0)

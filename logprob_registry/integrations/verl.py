@@ -2,11 +2,11 @@
 its log-probability and entropy functions, its FSDP engine's temperature division and its fused
 heads replaced by this library's, wherever verl binds them.
 
-``install()`` replaces, in ``verl.utils.torch_functional`` and in every loaded ``verl`` module that
-bound the same function (the FSDP, automodel and torchtitan engines, the naive rollout, the prefix
-grouper: each imported first, where it imports): ``logprobs_from_logits`` (signature kept,
-``inplace_backward`` has nothing to do), ``entropy_from_logits`` and
-``entropy_from_logits_with_chunking``. In the FSDP engine (``verl.workers.engine.fsdp.
+``install()`` replaces, in ``verl.utils.torch_functional`` and in every ``verl`` module that bound
+the same function (the FSDP, automodel and torchtitan engines, the naive rollout, the prefix
+grouper; one imported while installed binds the replacement, and uninstall restores it too):
+``logprobs_from_logits`` (signature kept, ``inplace_backward`` has nothing to do),
+``entropy_from_logits`` and ``entropy_from_logits_with_chunking``. In the FSDP engine (``verl.workers.engine.fsdp.
 transformer_impl``), ``_scale_logits_by_temperature``: verl divides bf16 logits by the temperature
 in bf16; the replacement divides in float32 and keeps the float32 quotient. The fused path
 (``model.use_fused_kernels``) takes the hidden states and the temperature itself: with
@@ -31,16 +31,11 @@ import torch
 
 import logprob_registry as lr
 
-from ._handle import Handle, require
+from ._handle import Handle, in_package, require
 from ._handle import install as _install
 
 TESTED = ">=0.9.1,<0.10"
 NAME = "verl"
-# verl modules that bind logprobs_from_logits as a module global (imported first, where they
-# import: a module whose own dependencies are missing cannot be in use)
-_BINDERS = ("verl.workers.engine.fsdp.transformer_impl", "verl.workers.engine.automodel.transformer_impl",
-            "verl.workers.engine.torchtitan.transformer_impl", "verl.workers.rollout.naive.naive_rollout",
-            "verl.trainer.ppo.prefix_grouper_utils")
 _FSDP = "verl.workers.engine.fsdp.transformer_impl"
 
 
@@ -49,7 +44,7 @@ def install(backend: Optional[str] = None) -> Handle:
     ImportError naming the supported range when verl is missing or another version."""
     verl = importlib.import_module("verl")
     require("verl", verl.__version__, TESTED)
-    return _install(NAME, lambda: _patches(backend), backend)
+    return _install(NAME, lambda: _patches(backend), backend, package="verl")
 
 
 def _functions(backend: Optional[str]) -> dict:
@@ -105,17 +100,16 @@ def _linear_cross_entropy(original, backend: Optional[str]):
 
 
 def _patches(backend: Optional[str]):
-    for name in _BINDERS:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # its engine's own dependencies (torchtitan, nemo_automodel, ...) are missing
-            pass
+    try:  # its division is replaced where it is defined: imported first
+        importlib.import_module(_FSDP)
+    except ImportError:  # its own dependencies (peft, codetiming, ...) are missing: it cannot be in use
+        pass
     functional = importlib.import_module("verl.utils.torch_functional")
     patches = []
     for name, replacement in _functions(backend).items():
         original = getattr(functional, name)
         for module in list(sys.modules.values()):  # wherever verl bound the same function
-            if getattr(module, "__name__", "").startswith("verl") and getattr(module, name, None) is original:
+            if in_package(module, "verl") and getattr(module, name, None) is original:
                 patches.append((module, name, replacement))
     fsdp = sys.modules.get(_FSDP)
     if fsdp is not None:
