@@ -1,5 +1,5 @@
 """logprob_registry.integrations.verl against verl 0.9.1 (installed with --no-deps, its pins clash;
-it needs ray, tensordict and the [test] extra's omegaconf, peft, codetiming): through verl's own call
+it needs ray and the [test] extra's tensordict, omegaconf, peft, codetiming): through verl's own call
 sites, its FSDP engine's output step (temperature division included) and the fused forward verl
 patches into a model (torch and triton backends), this library's results after install() and
 verl's after uninstall(), the originals restored by identity; installing twice is harmless; another
