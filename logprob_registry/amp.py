@@ -72,12 +72,12 @@ class _Isolated(torch.autograd.Function):
             leaves = [t.detach().requires_grad_(t.requires_grad) if _differentiable(t) else t for t in tensors]
             result = run(*leaves)
         outs = result if isinstance(result, tuple) else (result,)
-        shape["tuple"] = isinstance(result, tuple)
+        shape["tuple"] = type(result) if isinstance(result, tuple) else None  # a NamedTuple (TokenStats) kept
         ctx.run, ctx.device_type, ctx.leaves, ctx.outs = run, device_type, leaves, outs
         ctx.save_for_backward(*tensors)
         # copies (one number per token): the caller may modify an output in place, which must not
-        # reach the graph kept inside
-        return tuple(o.detach().clone() for o in outs)
+        # reach the graph kept inside; None stays None (a statistic not asked for)
+        return tuple(None if o is None else o.detach().clone() for o in outs)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -86,7 +86,7 @@ class _Isolated(torch.autograd.Function):
             if torch.is_grad_enabled():  # create_graph=True: differentiate the call on the saved inputs
                 wanted = tuple(t if need else None for t, need in zip(tensors, ctx.needs_input_grad[3:]))
                 return (None, None, None) + second_order_gradient(lambda: _tuple(ctx.run(*tensors)), wanted, grads)
-            pairs = [(o, g) for o, g in zip(ctx.outs, grads) if g is not None and o.requires_grad]
+            pairs = [(o, g) for o, g in zip(ctx.outs, grads) if g is not None and o is not None and o.requires_grad]
             wanted = [leaf for leaf, need in zip(ctx.leaves, ctx.needs_input_grad[3:]) if need]
             found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
                                              retain_graph=True, allow_unused=True) if pairs and wanted else ())
@@ -114,7 +114,8 @@ def call_isolated(call: Callable[[tuple, dict], Any], inputs: tuple, options: di
 
     shape: dict = {}
     outs = _Isolated.apply(run, device_type, shape, *inputs, *(options[k] for k in names))
-    return outs if shape["tuple"] else outs[0]
+    kind = shape["tuple"]
+    return outs[0] if kind is None else kind._make(outs) if hasattr(kind, "_make") else outs
 
 
 __all__ = ["backward_without_autocast", "call_isolated", "enabled", "off"]

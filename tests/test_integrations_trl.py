@@ -3,6 +3,9 @@ uninstall restore TRL's functions exactly, installing twice is harmless, the rep
 give this library's results (fp32 agreement with TRL's own, bf16 accuracy TRL's own lacks), and
 the fused head and the distillation divergence go through token_stats and kl_divergence."""
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -42,6 +45,16 @@ def test_install_twice_then_uninstall_restores_every_attribute():
     assert all(after[k] is before[k] for k in before)
 
 
+def test_a_module_imported_while_installed_gets_the_original_back(monkeypatch):
+    original = trl_utils.selective_log_softmax
+    with integration.install():
+        late = types.ModuleType("trl._imported_while_installed")  # as `from trl.trainer.utils import ...`
+        late.selective_log_softmax = trl_utils.selective_log_softmax
+        monkeypatch.setitem(sys.modules, late.__name__, late)
+        assert late.selective_log_softmax is not original
+    assert late.selective_log_softmax is original
+
+
 def test_fp32_agrees_with_trl_and_bf16_is_accurate_where_trl_is_not():
     x, y = _data()
     mask = torch.ones_like(y)
@@ -57,6 +70,25 @@ def test_fp32_agrees_with_trl_and_bf16_is_accurate_where_trl_is_not():
     exact = torch.log_softmax(x.bfloat16().double() / 0.7, -1).gather(-1, y[..., None])[..., 0]
     trl_error = (trl_utils.selective_log_softmax(x.bfloat16(), y, temperature=0.7).double() - exact).abs().max()
     assert (bf.double() - exact).abs().max() < 1e-4 < trl_error
+
+
+def test_the_fused_head_as_grpo_calls_it():
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(9, 16, generator=g), torch.randn(50, 16, generator=g)
+    args = (hidden, weight, None, torch.randint(0, 50, (9,), generator=g), 0.7, 32768, None, 1.0,
+            ("log_probs", "entropy"))  # what GRPOTrainer's add_fused_lm_head passes
+    theirs = trl_utils._ChunkedLogProbFunction.apply(*args)
+    with integration.install():
+        ours = trl_utils._ChunkedLogProbFunction.apply(*args)
+    assert ours[2:] == (None, None, None) == theirs[2:]
+    for a, b in zip(ours[:2], theirs[:2]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    leaf = hidden.clone().requires_grad_()
+    with integration.install(), torch.autocast("cpu", dtype=torch.bfloat16):  # GRPOConfig's default bf16=True
+        under = trl_utils._ChunkedLogProbFunction.apply(leaf, *args[1:])
+        under[0].sum().backward()
+    assert under[2:] == (None, None, None) and leaf.grad is not None
+    torch.testing.assert_close(under[0], ours[0], atol=1e-5, rtol=0)  # fp32 products: autocast does not reach it
 
 
 def test_the_fused_head_through_token_stats():

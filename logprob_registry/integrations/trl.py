@@ -1,8 +1,9 @@
 """TRL (``pip install trl``, 1.16): its log-probability, entropy and divergence functions replaced
 by this library's, wherever TRL binds them.
 
-``install()`` replaces, in ``trl.trainer.utils`` (and in every loaded ``trl`` module that bound the
-same function): ``selective_log_softmax``, ``entropy_from_logits``,
+``install()`` replaces, in ``trl.trainer.utils`` (and in every ``trl`` module that bound the same
+function, e.g. the experimental trainers; one imported while installed binds the replacement, and
+uninstall restores it too): ``selective_log_softmax``, ``entropy_from_logits``,
 ``selective_log_softmax_and_entropy`` (the temperature applied inside, in fp32, instead of TRL's
 division of bf16 logits), and ``_ChunkedLogProbFunction``, the fused head that
 ``add_fused_lm_head`` (GRPO, RLOO, DPO, KTO, SFT trainers) calls, through :func:`lr.token_stats`
@@ -22,7 +23,7 @@ import torch
 
 import logprob_registry as lr
 
-from ._handle import Handle, require
+from ._handle import Handle, in_package, require
 from ._handle import install as _install
 
 TESTED = ">=1.16,<1.17"
@@ -36,7 +37,7 @@ def install(backend: Optional[str] = None) -> Handle:
     ImportError naming the supported range when TRL is missing or another version."""
     trl = importlib.import_module("trl")
     require("trl", trl.__version__, TESTED)
-    return _install(NAME, lambda: _patches(backend), backend)
+    return _install(NAME, lambda: _patches(backend), backend, package="trl")
 
 
 def _masked(x: torch.Tensor, row_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -70,7 +71,8 @@ class _FusedHead:
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size=None, final_logit_softcapping=None,
               logit_scale=1.0, outputs=tuple(_OUTPUTS)):
-        wanted = ("logprobs",) + tuple(_OUTPUTS[name] for name in outputs)
+        # the log-probabilities are always computed; GRPOTrainer names them ("log_probs", "entropy")
+        wanted = ("logprobs",) + tuple(_OUTPUTS[name] for name in outputs if name in _OUTPUTS)
         stats = lr.token_stats(hidden, targets, weight=weight, bias=bias, outputs=wanted, temperature=temperature,
                                softcap=final_logit_softcapping, logit_scale=logit_scale or None,
                                backend=self.backend)
@@ -116,7 +118,7 @@ def _patches(backend: Optional[str]):
     for name, replacement in functions.items():
         original = getattr(utils, name)
         for module in list(sys.modules.values()):  # wherever TRL bound the same function
-            if getattr(module, "__name__", "").startswith("trl") and getattr(module, name, None) is original:
+            if in_package(module, "trl") and getattr(module, name, None) is original:
                 patches.append((module, name, replacement))
     patches.append((utils, "_ChunkedLogProbFunction", _FusedHead(backend)))
     distillation = importlib.import_module("trl.trainer.distillation_trainer")
