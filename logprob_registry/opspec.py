@@ -532,7 +532,7 @@ _STATS_DOC = ("per row and grid tile of z = logits / temperature (in float32, fl
 #: shard_token_stats: shard_stats' outputs, two more exact sums per tile and the shard's first maximum.
 _TOKEN_STATS = _STATS[:3] + ("tile_sumsq", "tile_zsum") + _STATS[3:] + ("row_max", "row_argmax")
 _TOKEN_STATS_DOC = ("per row and grid tile tile_sumsq = sum e**2 (exact, as tile_sumexp; against the reference "
-                    "too) and tile_zsum = sum z over the finite z (exact at multiples of 2**-kit.CROSS_BITS), "
+                    "too) and tile_zsum = sum z (exact at multiples of 2**-kit.CROSS_BITS; -inf with a -inf z), "
                     "(..., n_tiles) float64 each; and per row of the shard row_max = max z (...) and row_argmax "
                     "(...) int64, the global id of its first maximum (NaN counts as the largest, as torch.argmax "
                     "has it); with shard_sampler, over the kept tokens")

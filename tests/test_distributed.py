@@ -243,7 +243,8 @@ def test_values_that_mean_keep_everything_are_the_default_with_a_group_too():
 def test_the_shard_ops_are_in_the_op_table_without_a_public_function():
     logprob_shards = ("shard_stats", "shard_grad", "hidden_shard_stats", "hidden_shard_grad", "shard_topk",
                       "hidden_shard_topk")
-    assert SHARD_OPS == logprob_shards + ("kl_shard_stats", "kl_shard_grad")
+    assert set(SHARD_OPS) == set(logprob_shards) | {"kl_shard_stats", "kl_shard_grad", "shard_token_stats",
+                                                    "hidden_shard_token_stats"}
     with pytest.raises(ValueError, match="has no public function: the distributed core calls it"):
         OPS["shard_stats"].public()
     for name in ("chunked", "compiled", "triton", "naive"):
@@ -253,6 +254,8 @@ def test_the_shard_ops_are_in_the_op_table_without_a_public_function():
         assert set(logprob_shards) <= set(backend.ops) and "shard_sampler" in backend.features, name
     for name in ("chunked", "naive"):  # kl_divergence(..., process_group=...)
         assert {"kl_shard_stats", "kl_shard_grad"} <= set(lr.get_registry().get(name).ops), name
+    # token_stats(..., process_group=...)
+    assert {"shard_token_stats", "hidden_shard_token_stats"} <= set(lr.get_registry().get("chunked").ops)
     invariant = {b.name for b in lr.backends() if b.group_invariant}
     assert {"chunked", "compiled", "triton"} <= invariant and "naive" not in invariant
 

@@ -161,10 +161,13 @@ def tile_stats_(z: torch.Tensor, with_entropy: bool, reference: Optional[torch.T
 
 def token_tile_stats_(z: torch.Tensor, with_entropy: bool, reference: Optional[torch.Tensor] = None) -> tuple:
     """:func:`tile_stats_` (``z`` overwritten) and, from the same tile, ``q = sum exp(z - m)**2`` (as
-    exact as ``s``), ``zs = sum z`` over the finite ``z`` (exact at multiples of ``2**-CROSS_BITS``)
-    and ``first``, the index in the tile of the first ``z == m`` (or NaN; the tile's width where none
-    is: a piece below its tile's ``reference``), int64: ``(m, s, t, q, zs, first)``, each (rows, tiles)."""
-    zs = exact_sum(z.masked_fill(torch.isinf(z), 0.0), CROSS_BITS)
+    exact as ``s``), ``zs = sum z`` over the ``z`` above -inf (exact at multiples of ``2**-CROSS_BITS``),
+    ``first``, the index in the tile of the first ``z == m`` (or NaN; the tile's width where none is:
+    a piece below its tile's ``reference``), and ``low``, the count of -inf entries (a shard op
+    tells its own from the tile's padding): ``(m, s, t, q, zs, first, low)``, each (rows, tiles)."""
+    floor = torch.isneginf(z)
+    low = floor.sum(-1)
+    zs = exact_sum(z.masked_fill(floor, 0.0), CROSS_BITS)
     m = z.amax(-1)
     if reference is not None:
         m = torch.maximum(m, reference.to(m.dtype).view(-1, 1).expand_as(m))
@@ -176,7 +179,7 @@ def token_tile_stats_(z: torch.Tensor, with_entropy: bool, reference: Optional[t
     s = exact_sum(e)
     q = exact_sum(e * e)
     t = exact_sum(d.mul_(e).masked_fill_(e == 0, 0.0)) if with_entropy else None
-    return m, s, t, q, zs, first
+    return m, s, t, q, zs, first, low
 
 
 def label_columns(labels: torch.Tensor, vocab_start: int, width: int,

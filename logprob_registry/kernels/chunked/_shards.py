@@ -610,31 +610,36 @@ def hidden_shard_topk(hidden, weight, *, bias, vocab_start, temperature, k, deci
     return values.view(*lead, k), ids.view(*lead, k)
 
 
-def _with_token_stats(stats, sink: Sink, n: int, nt: int, lead, first_column: int, tile: int, acc, device):
+def _with_token_stats(stats, sink: Sink, n: int, lead, vocab_start: int, width: int, tile: int, acc, device):
     """shard_token_stats' outputs from a stats op's ``(m, s, t, labels)`` run with
-    ``kit.token_tile_stats_`` into ``sink``: the per-tile ``q, zs`` after ``(m, s, t)``, the labels,
-    then the shard's row max and the global id of its first maximum (the first tile reaching the
-    row's max, its first column there; ``first_column``: the global id of the grid's first column)."""
+    ``kit.token_tile_stats_`` into ``sink`` for the shard ``[vocab_start, vocab_start + width)``: the
+    per-tile ``q, zs`` after ``(m, s, t)`` (``zs`` -inf where the shard has a -inf logit, not only the
+    tile's padding), the labels, then the shard's row max and the global id of its first maximum
+    (the first tile reaching the row's max, its first column there)."""
     m, s, t, picked = stats
+    slots = grid(vocab_start, width, tile)
+    nt = len(slots)
     if sink.parts is None:  # no rows
         q, zs = (torch.zeros(n, nt, dtype=torch.float64, device=device) for _ in range(2))
         first = torch.zeros(n, nt, dtype=torch.int64, device=device)
     else:
-        q, zs, first = sink.parts
+        q, zs, first, low = sink.parts
+        padding = torch.tensor([tile - (slot.c1 - slot.c0) for slot in slots], device=device)
+        zs = zs.masked_fill(low > padding, float("-inf"))
     flat = m.reshape(n, nt)
     row_max = flat.amax(-1) if nt else torch.full((n,), float("-inf"), dtype=acc, device=device)
     hit = (flat == row_max.unsqueeze(-1)) | torch.isnan(flat)
     j = hit.to(torch.uint8).argmax(-1, keepdim=True) if nt else torch.zeros(n, 1, dtype=torch.int64, device=device)
     at = first.gather(1, j).squeeze(1) if nt else torch.zeros(n, dtype=torch.int64, device=device)
-    argmax = first_column + j.squeeze(1) * tile + at
+    argmax = (vocab_start - vocab_start % tile) + j.squeeze(1) * tile + at
     tiles = tuple(lead) + (nt,)
     return (m, s, t, q.view(tiles), zs.view(tiles), picked, row_max.view(lead), argmax.view(lead))
 
 
 def shard_token_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, budget: int,
                       **sampler):
-    """shard_stats (see the op table) with ``kit.token_tile_stats_``: the sums of ``e**2`` and ``z`` and
-    the first maximum, in the same pass."""
+    """shard_stats (see the op table) with ``kit.token_tile_stats_``: the sums of ``e**2`` and ``z``
+    (-inf with a -inf logit) and the first maximum, in the same pass."""
     lead, width = logits.shape[:-1], logits.shape[-1]
     offset = vocab_start % tile
     n, nt = labels_rows(lead), n_tiles(offset + width, tile)
@@ -642,7 +647,7 @@ def shard_token_stats(logits, labels, *, vocab_start, tile, temperature, ignore_
     stats = shard_stats(logits, labels, vocab_start=vocab_start, tile=tile, temperature=temperature,
                         ignore_index=ignore_index, with_entropy=with_entropy, budget=budget,
                         stats_fn=kit.token_tile_stats_, sink=sink, **sampler)
-    return _with_token_stats(stats, sink, n, nt, lead, vocab_start - offset, tile, result_dtype(logits.dtype),
+    return _with_token_stats(stats, sink, n, lead, vocab_start, width, tile, result_dtype(logits.dtype),
                              logits.device)
 
 
@@ -661,5 +666,5 @@ def hidden_shard_token_stats(hidden, weight, labels, *, bias, vocab_start, tile,
                                budget=budget, stats_fn=kit.token_tile_stats_, sink=sink, **sampler)
     if none:
         stats = stats[:3] + (None,)
-    return _with_token_stats(stats, sink, n, nt, lead, vocab_start - vocab_start % tile, tile,
-                             result_dtype(hidden.dtype), hidden.device)
+    return _with_token_stats(stats, sink, n, lead, vocab_start, weight.shape[0], tile, result_dtype(hidden.dtype),
+                             hidden.device)

@@ -28,7 +28,8 @@ class Case:
     """One call: the op, the input dtype, and its options."""
 
     name: str
-    op: str                       # logprobs, entropy, logprobs_and_entropy, logprobs_from_hidden, kl_divergence
+    op: str                       # logprobs, entropy, logprobs_and_entropy, logprobs_from_hidden, kl_divergence,
+    #                               token_stats (of logits: every field)
     dtype: str
     temperature: float = 1.0
     ignore: bool = False          # ignore_index=-100 on two positions
@@ -38,7 +39,8 @@ class Case:
     entropy: bool = False         # logprobs_from_hidden: return_entropy
     inplace: bool = False         # inplace_backward=True, on a non-leaf
     direction: str = "forward"    # kl_divergence
-    hidden: bool = False          # kl_divergence: both sides hidden states with weight shards (kl_hidden)
+    hidden: bool = False          # kl_divergence: both sides hidden states with weight shards (kl_hidden);
+    #                               token_stats: hidden states with a weight shard
 
     @property
     def kl(self) -> bool:
@@ -49,13 +51,21 @@ class Case:
         """The shard ops the case runs on."""
         if self.kl:
             return KL_SHARD_OPS
+        if self.op == "token_stats":
+            return ("hidden_shard_token_stats", "hidden_shard_grad") if self.hidden else \
+                ("shard_token_stats", "shard_grad")
         return ("hidden_shard_stats", "hidden_shard_grad") if self.op == "logprobs_from_hidden" else \
             ("shard_stats", "shard_grad")
 
     @property
     def features(self) -> Tuple[str, ...]:
         """The backend features (``opspec.FEATURES``) the case needs."""
-        return ("kl_hidden",) if self.hidden else ()
+        return ("kl_hidden",) if self.hidden and self.kl else ()
+
+    @property
+    def fused(self) -> bool:
+        """Hidden states with a weight shard: logprobs_from_hidden, or token_stats given a weight."""
+        return self.op == "logprobs_from_hidden" or (self.op == "token_stats" and self.hidden)
 
 
 KL_SHARD_OPS = ("kl_shard_stats", "kl_shard_grad")

@@ -1,10 +1,11 @@
 """The logits family of the conformance suite's distributed section (:mod:`._distributed_cases`
-runs it): ``logprobs``, ``entropy``, ``logprobs_and_entropy`` and ``logprobs_from_hidden`` over
-vocabulary shards (shard ops ``shard_stats``, ``shard_grad``; ``hidden_shard_stats``,
-``hidden_shard_grad``), their float64 reference and tolerances, and the bad inputs every rank must
-reject alike. A rank checks its own shard's gradients itself (against float64 autograd, and bitwise
-against the gradient it computed alone), since it holds the inputs: only small results travel
-back. Imports no pytest: it runs in the spawned processes."""
+runs it): ``logprobs``, ``entropy``, ``logprobs_and_entropy``, ``logprobs_from_hidden`` and
+``token_stats`` (every field, of logits) over vocabulary shards (shard ops ``shard_stats``,
+``shard_grad``; ``hidden_shard_stats``, ``hidden_shard_grad``; ``shard_token_stats``), their
+float64 reference and tolerances, and the bad inputs every rank must reject alike. A rank checks
+its own shard's gradients itself (against float64 autograd, and bitwise against the gradient it
+computed alone), since it holds the inputs: only small results travel back. Imports no pytest: it
+runs in the spawned processes."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from ... import reference as ref
 from ._distributed_common import HIDDEN, IGNORE, KINDS, ODD_VOCAB, SHAPE, VOCAB, WORLD, Case, hash_name, run_cases
 
 FAMILY = "logits"
+#: token_stats' fields, all asked; the first four have a gradient.
+FIELDS = ("logprobs", "entropy", "raw_logprobs", "raw_entropy", "log_sum_p2", "mean_logit", "max_logit",
+          "is_argmax")
+DIFFERENTIABLE = FIELDS[:4]
 
 
 def cases() -> List[Case]:
@@ -36,10 +41,16 @@ def cases() -> List[Case]:
                     ignore=True, inplace=True))
     out.append(Case("logprobs_and_entropy-float32-vocab-13192", "logprobs_and_entropy", "float32", temperature=0.7,
                     ignore=True, masked=True, vocab=ODD_VOCAB))
+    out.append(Case("token_stats-float32-options", "token_stats", "float32", temperature=0.7, ignore=True, masked=True))
+    out.append(Case("token_stats-bfloat16-vocab-13192", "token_stats", "bfloat16", vocab=ODD_VOCAB))
+    out.append(Case("token_stats-float32-hidden", "token_stats", "float32", temperature=0.7, ignore=True, bias=True,
+                    hidden=True))
     return out
 
 
 def outputs_of(case: Case) -> int:
+    if case.op == "token_stats":
+        return len(FIELDS)
     if case.op == "logprobs_from_hidden":
         return 1 + case.entropy
     return 2 if case.op == "logprobs_and_entropy" else 1
@@ -51,11 +62,15 @@ def inputs(case: Case) -> Dict[str, torch.Tensor]:
     dtype = getattr(torch, case.dtype)
     labels = torch.randint(0, case.vocab, SHAPE, generator=g)
     out: Dict[str, torch.Tensor] = {}
-    if case.op == "logprobs_from_hidden":
+    if case.fused:
         out["hidden"] = torch.randn(*SHAPE, HIDDEN, generator=g).to(dtype)
         out["weight"] = (torch.randn(case.vocab, HIDDEN, generator=g) * 0.4).to(dtype)
         if case.bias:
             out["bias"] = (torch.randn(case.vocab, generator=g) * 0.5).to(dtype)
+        if case.op == "token_stats":  # a label at its row's first maximum: is_argmax has one to find
+            z = torch.nn.functional.linear(out["hidden"][1, 1].double(), out["weight"].double(),
+                                           out["bias"].double() if case.bias else None)
+            labels[1, 1] = z.argmax()
     else:
         logits = torch.randn(*SHAPE, case.vocab, generator=g, dtype=torch.float64) * 3.0
         if case.masked:
@@ -63,6 +78,8 @@ def inputs(case: Case) -> Dict[str, torch.Tensor]:
             logits[0, 2, ::7] = float("-inf")
             labels[1, 0], labels[0, 2] = 100, 3  # not on a -inf entry
         out["logits"] = logits.to(dtype)
+        if case.op == "token_stats":  # a label at its row's first maximum: is_argmax has one to find
+            labels[1, 1] = out["logits"][1, 1].double().argmax()
     if case.ignore:
         labels[0, 1] = labels[1, 2] = IGNORE
     out["labels"] = labels
@@ -72,6 +89,8 @@ def inputs(case: Case) -> Dict[str, torch.Tensor]:
 
 def options(case: Case) -> dict:
     kw: dict = dict(temperature=case.temperature)
+    if case.op == "token_stats":
+        return dict(kw, ignore_index=IGNORE if case.ignore else None, outputs=FIELDS)
     if case.op != "entropy":
         kw["ignore_index"] = IGNORE if case.ignore else None
     if case.op == "logprobs_from_hidden":
@@ -86,32 +105,49 @@ def reference(case: Case, data: Dict[str, torch.Tensor]):
     ups = data["upstream"]
     kw = options(case)
     kw.pop("inplace_backward", None)
-    if case.op == "logprobs_from_hidden":
+    if case.fused:
         leaves = {k: data[k].detach().double().requires_grad_(True) for k in ("hidden", "weight", "bias")
                   if k in data}
-        outs = ref.logprobs_from_hidden(leaves["hidden"], leaves["weight"], data["labels"], bias=leaves.get("bias"),
-                                        **kw)
+        if case.op == "token_stats":
+            named = ref.token_stats(leaves["hidden"], data["labels"], weight=leaves["weight"], bias=leaves.get("bias"),
+                                    **kw)
+            outs = tuple(named[f] for f in FIELDS)
+        else:
+            outs = ref.logprobs_from_hidden(leaves["hidden"], leaves["weight"], data["labels"],
+                                            bias=leaves.get("bias"), **kw)
+    elif case.op == "token_stats":
+        leaves = {"logits": data["logits"].detach().double().requires_grad_(True)}
+        named = ref.token_stats(leaves["logits"], data["labels"], **kw)
+        outs = tuple(named[f] for f in FIELDS)
     else:
         leaves = {"logits": data["logits"].detach().double().requires_grad_(True)}
         fn = {"logprobs": ref.logprobs, "entropy": ref.entropy, "logprobs_and_entropy": ref.logprobs_and_entropy}
         args = (leaves["logits"],) if case.op == "entropy" else (leaves["logits"], data["labels"])
         outs = fn[case.op](*args, **kw)
     outs = outs if isinstance(outs, tuple) else (outs,)
-    sum((o * u).sum() for o, u in zip(outs, ups)).backward()
+    sum((o * u).sum() for o, u in _differentiable(case, outs, ups)).backward()
     return tuple(o.detach() for o in outs), {k: v.grad for k, v in leaves.items()}
+
+
+def _differentiable(case: Case, outs, ups):
+    """``(output, upstream)`` of the outputs with a gradient (token_stats: its first four fields)."""
+    pairs = list(zip(outs, ups))
+    return pairs[:len(DIFFERENTIABLE)] if case.op == "token_stats" else pairs
 
 
 def output_tolerances(case: Case, data: Dict[str, torch.Tensor]) -> tuple:
     """The contract's tolerance of each output (:mod:`..numerics`)."""
     op = case.op
-    if op == "logprobs_from_hidden":
+    if case.fused:
         bound = data["hidden"].detach().double().abs() @ data["weight"].detach().double().abs().T
         if "bias" in data:
             bound = bound + data["bias"].detach().double().abs()
-        kinds = ("logprobs", "entropy")[:outputs_of(case)]
         like = torch.empty(1, case.vocab)
+        if op == "token_stats":
+            return tolerances(op, like, case.temperature, float(bound.max()), options=options(case))
+        kinds = ("logprobs", "entropy")[:outputs_of(case)]
         return tuple(tolerance(like, case.temperature, float(bound.max()), k) for k in kinds)
-    return tolerances(op, data["logits"], case.temperature)
+    return tolerances(op, data["logits"], case.temperature, options=options(case))
 
 
 def _grad_eps(dtype: torch.dtype) -> float:
@@ -124,7 +160,7 @@ def gradient_excess(case: Case, data, got: Dict[str, torch.Tensor], want: Dict[s
     tolerances; ``columns`` selects this rank's shard of ``want`` (the whole tensor for hidden)."""
     dtype = getattr(torch, case.dtype)
     out = {}
-    if case.op != "logprobs_from_hidden":
+    if not case.fused:
         g, w = got["logits"].cpu().double(), want["logits"][columns["logits"]]
         atol = 4 * max(output_tolerances(case, data)) * float(data["upstream"].abs().max()) / case.temperature
         allowed = atol + _grad_eps(dtype) * w.abs()
@@ -136,16 +172,18 @@ def gradient_excess(case: Case, data, got: Dict[str, torch.Tensor], want: Dict[s
     b = data["bias"].double() if "bias" in data else None
     logits = torch.nn.functional.linear(h, wt, b).requires_grad_(True)
     kw = options(case)
-    kw.pop("return_entropy")
-    op = "logprobs_and_entropy" if case.entropy else "logprobs"
-    lo = ref.logprobs_and_entropy(logits, data["labels"], **kw) if case.entropy else \
-        (ref.logprobs(logits, data["labels"], **kw),)
+    if case.op == "token_stats":
+        named = ref.token_stats(logits, data["labels"], **kw)
+        lo = tuple(named[f] for f in DIFFERENTIABLE)
+    else:
+        kw.pop("return_entropy")
+        lo = ref.logprobs_and_entropy(logits, data["labels"], **kw) if case.entropy else \
+            (ref.logprobs(logits, data["labels"], **kw),)
     dlog = torch.autograd.grad(sum((o * u).sum() for o, u in zip(lo, data["upstream"])), logits)[0].abs()
     flat = dlog.reshape(-1, dlog.shape[-1])
     bounds = {"hidden": dlog @ wt.abs(), "weight": flat.T @ h.abs().reshape(-1, h.shape[-1]), "bias": flat.sum(0)}
     tol = max(output_tolerances(case, data))
     rel = 4 * tol + 2 * _grad_eps(dtype)
-    del op
     for name, g in got.items():
         if g is None:
             continue
@@ -163,25 +201,29 @@ def call(case: Case, data, start: int, width: int, give_start: bool, group, back
     if give_start:
         kw["vocab_start"] = start
     cols = slice(start, start + width)
-    if case.op == "logprobs_from_hidden":
+    if case.fused:
         leaves = {"hidden": data["hidden"].to(device, copy=True).requires_grad_(True),
                   "weight": data["weight"][cols].to(device, copy=True).requires_grad_(True)}
         if "bias" in data:
             leaves["bias"] = data["bias"][cols].to(device, copy=True).requires_grad_(True)
-        outs = lr.logprobs_from_hidden(leaves["hidden"], leaves["weight"], data["labels"].to(device),
-                                       bias=leaves.get("bias"), **kw)
+        if case.op == "token_stats":
+            outs = lr.token_stats(leaves["hidden"], data["labels"].to(device), weight=leaves["weight"],
+                                  bias=leaves.get("bias"), **kw)
+        else:
+            outs = lr.logprobs_from_hidden(leaves["hidden"], leaves["weight"], data["labels"].to(device),
+                                           bias=leaves.get("bias"), **kw)
         shard = None
     else:
         base = data["logits"].to(device, copy=True)[..., cols].requires_grad_(True)  # a strided view
         shard = base * 1.0 if case.inplace else base  # a non-leaf for in-place backward, as an lm_head's output
         leaves = {"logits": base}
         fn = {"logprobs": lr.logprobs_from_logits, "entropy": lr.entropy_from_logits,
-              "logprobs_and_entropy": lr.logprobs_and_entropy}[case.op]
+              "logprobs_and_entropy": lr.logprobs_and_entropy, "token_stats": lr.token_stats}[case.op]
         args = (shard,) if case.op == "entropy" else (shard, data["labels"].to(device))
         outs = fn(*args, **kw)
-    outs = outs if isinstance(outs, tuple) else (outs,)
+    outs = tuple(outs) if isinstance(outs, tuple) else (outs,)
     ups = data["upstream"]
-    sum((o * u.to(o.device, o.dtype)).sum() for o, u in zip(outs, ups)).backward()
+    sum((o * u.to(o.device, o.dtype)).sum() for o, u in _differentiable(case, outs, ups)).backward()
     return [o.detach().cpu() for o in outs], {k: v.grad for k, v in leaves.items()}, shard
 
 

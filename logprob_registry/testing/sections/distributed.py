@@ -44,6 +44,8 @@ from . import _distributed_sampler as ds
 from ._coverage import covers
 
 SHARD_OPS = ("shard_stats", "shard_grad", "hidden_shard_stats", "hidden_shard_grad")
+#: token_stats' shard ops: its cases run where a backend implements them (the same tests).
+TOKEN_SHARD_OPS = ("shard_token_stats", "hidden_shard_token_stats")
 #: The shard ops of the sampler's keywords (feature shard_sampler): the test_distributed_sampler test.
 SAMPLER_SHARD_OPS = SHARD_OPS + ("shard_topk", "hidden_shard_topk")
 KL_SHARD_OPS = dc.KL_SHARD_OPS  # kl_shard_stats, kl_shard_grad: the test_distributed_kl_* tests
@@ -118,19 +120,19 @@ def _groups(kind: str) -> Tuple[Tuple[int, ...], ...]:
 class DistributedSection:
     """Conformance of the shard ops through the public functions' ``process_group=`` path."""
 
-    @covers(SHARD_OPS, grad=True)
+    @covers(SHARD_OPS + TOKEN_SHARD_OPS, grad=True)
     def test_distributed_results_on_every_rank(self, lp: Harness) -> None:
         """Every rank of groups of 1, 2, 3 and 4 gets the same result, within the contract of the
         float64 reference and of the backend's own unsharded call."""
         _check_results(lp, kl=False)
 
-    @covers(SHARD_OPS, capability="group_invariant", declared=True)
+    @covers(SHARD_OPS + TOKEN_SHARD_OPS, capability="group_invariant", declared=True)
     def test_distributed_bitwise_across_group_sizes(self, lp: Harness) -> None:
         """Results and shard gradients are the same bits in groups of 1, 2, 3 and 4: even splits and
         uneven ones whose edges are off the tile grid, in any order of the ranks."""
         _check_bitwise(lp, kl=False)
 
-    @covers(SHARD_OPS, grad=True)
+    @covers(SHARD_OPS + TOKEN_SHARD_OPS, grad=True)
     def test_distributed_gradients(self, lp: Harness) -> None:
         """Gradients of each rank's shard (and of hidden, weight, bias) match float64 autograd of the
         unsharded call; the complete hidden gradient is the same on every rank of a group;
@@ -218,8 +220,13 @@ def _check_results(lp: Harness, kl: bool) -> None:
                     if not all(dc.same_bits(a, b) for a, b in zip(got, first)):
                         problems.append(f"{what}: not the same bits as rank {members[0]} of its group")
                     for i, (g, w, a, tol) in enumerate(zip(got, want, alone, tols)):
-                        if g.dtype != lp.result_dtype(getattr(torch, case.dtype)) or g.shape != w.shape:
+                        dtype = torch.bool if w.dtype == torch.bool else lp.result_dtype(getattr(torch, case.dtype))
+                        if g.dtype != dtype or g.shape != w.shape:
                             problems.append(f"{what}: output {i} is {g.dtype} {tuple(g.shape)}")
+                            continue
+                        if dtype == torch.bool:  # token_stats' is_argmax: exactly, the unsharded call's too
+                            if not torch.equal(g, w) or (a is not None and not torch.equal(g, a.cpu())):
+                                problems.append(f"{what}: output {i} ({g.tolist()}) is not {w.tolist()}")
                             continue
                         try:
                             assert_close(g, w, tol, f"{what}: output {i}")
@@ -304,8 +311,11 @@ def _unsharded(lp: Harness, case: dc.Case, data):
     kw = dl.options(case)
     kw.pop("inplace_backward", None)
     with torch.no_grad():
-        if case.op == "logprobs_from_hidden":
+        if case.fused:
             bias = data["bias"].to(lp.device) if "bias" in data else None
+            if case.op == "token_stats":
+                return lp.call(case.op, data["hidden"].to(lp.device), data["labels"].to(lp.device),
+                               weight=data["weight"].to(lp.device), bias=bias, **kw)
             return lp.call_hidden(data["hidden"].to(lp.device), data["weight"].to(lp.device),
                                   data["labels"].to(lp.device), bias=bias, **kw)
         return lp.call(case.op, data["logits"].to(lp.device), data["labels"].to(lp.device), **kw)
