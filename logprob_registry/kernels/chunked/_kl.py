@@ -221,11 +221,15 @@ def _log_probs(z: torch.Tensor, shift: torch.Tensor, log_sum: torch.Tensor, sl: 
 
 
 def _log_mixture(ls: torch.Tensor, lt: torch.Tensor, beta: float) -> torch.Tensor:
-    """``log m = log(beta pt + (1 - beta) ps)``, a new tile: ``log beta + logaddexp(lt, ls + log((1 -
-    beta) / beta))``; ``-inf`` where both sides have no mass."""
-    lm = ls.add(math.log1p(-beta) - math.log(beta))
-    torch.logaddexp(lt, lm, out=lm)
-    return lm.add_(math.log(beta))
+    """``log m = log(beta pt + (1 - beta) ps)``, a new tile (one more lives meanwhile): with ``u = ls +
+    log((1 - beta) / beta)``, ``log beta + max(lt, u) + log1p(exp(-|lt - u|))``; NaN where neither side
+    has mass (every use weighs it by a zero probability). Not ``torch.logaddexp``: on the CPU its
+    vectorised loop and its scalar tail round differently, so a row's bits would depend on where it
+    lies in the tile (batch invariance); ``exp``, ``log1p`` and ``maximum`` round alike in both."""
+    u = ls.add(math.log1p(-beta) - math.log(beta))
+    top = torch.maximum(lt, u)
+    u.sub_(lt).abs_().neg_().exp_().log1p_()
+    return u.add_(top).add_(math.log(beta))
 
 
 def _jsd_forward(s: _Side, t: _Side, beta: float, tiles: Tiles):
@@ -492,10 +496,12 @@ def _bucket_kl(ls: torch.Tensor, lt: torch.Tensor, direction: str, beta: Optiona
     qs, qt = ls.log_softmax(-1), lt.log_softmax(-1)
     if direction != "jsd":
         return _kl_terms(qs, qt) if direction == "reverse" else _kl_terms(qt, qs)
-    # log m, its inputs replaced where both sides have no mass (logaddexp's gradient is NaN there)
+    # log m as _log_mixture forms it, its inputs replaced where both sides have no mass (a NaN there
+    # would reach the gradient)
     both = (qs == float("-inf")) & (qt == float("-inf"))
     zero = torch.zeros((), dtype=qs.dtype, device=qs.device)
-    lm = _log_mixture(torch.where(both, zero, qs), torch.where(both, zero, qt), beta)
+    lt, u = torch.where(both, zero, qt), torch.where(both, zero, qs) + math.log((1 - beta) / beta)
+    lm = torch.maximum(lt, u) + torch.log1p(torch.exp(-(lt - u).abs())) + math.log(beta)
     lm = torch.where(both, torch.full((), float("-inf"), dtype=qs.dtype, device=qs.device), lm)
     return beta * _kl_terms(qt, lm) + (1 - beta) * _kl_terms(qs, lm)
 
