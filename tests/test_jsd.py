@@ -15,7 +15,7 @@ import logprob_registry as lr
 from logprob_registry import reference as ref
 from logprob_registry.call import key_for
 from logprob_registry.kernels import chunked
-from logprob_registry.kernels.chunked import _hidden
+from logprob_registry.kernels.chunked import _hidden, _kl
 from logprob_registry.numerics import EPS32, assert_close
 from logprob_registry.opspec import OPS
 from logprob_registry.registry import get_registry
@@ -185,6 +185,30 @@ def test_chunked_mask_support_and_large_magnitudes(small_tiles):
     _check(s, t, beta=0.6, support=torch.arange(500).flip(0).expand(4, 6, 500))  # an empty tail on both sides
     _check(s[0] + 1e4, t[0] - 1e4, beta=0.25)
     _check(s[0] * 1e3, t[0] * 1e3, beta=0.75, temperature=50.0)
+
+
+def test_chunked_strided_and_fixed_layout(small_tiles):
+    """Strided logits (never copied), and the accelerators' layout (every tile padded to one shape)
+    run on the CPU: logits, hidden states and support, with the gradients."""
+    g = torch.Generator().manual_seed(16)
+    s, t = torch.randn(3, 9, 400, generator=g) * 3, torch.randn(3, 9, 400, generator=g) * 3
+    _check(s[:, :-1], t[:, 1:], beta=0.7, temperature=1.3)
+    h, w = torch.randn(20, 16, generator=g), torch.randn(400, 16, generator=g) / 3
+    s2, t2 = s.reshape(27, 400)[:20], t.reshape(27, 400)[:20]
+    support = torch.rand(20, 400, generator=g).argsort(-1)[:, :6]
+    for student, weight, extra in ((s2, None, {}), (s2, None, {"support": support}), (h, w, {})):
+        leaves = [x.clone().requires_grad_(True) for x in ((student,) if weight is None else (student, weight))]
+        x64 = [x.detach().double().requires_grad_(True) for x in leaves]
+        got = _kl.kl_divergence(leaves[0], t2, direction="jsd", beta=0.35, temperature=0.9, mask=None, tail=True,
+                                student_weight=None if weight is None else leaves[1], budget=48 << 10, fixed=True,
+                                **extra)
+        want = ref.kl_divergence(x64[0], t2, direction="jsd", beta=0.35, temperature=0.9,
+                                 student_weight=None if weight is None else x64[1], **extra)
+        got.sum().backward()
+        want.sum().backward()
+        assert_close(got, want, 1e-5, "fixed layout")
+        for x, y in zip(leaves, x64):
+            assert_close(x.grad, y.grad, 1e-5, "fixed layout gradient")
 
 
 def test_chunked_double_backward():
