@@ -27,16 +27,17 @@ differentiable torch ops; the bucket logits' backward recomputes tiles likewise.
 m)``, ``m = beta pt + (1 - beta) ps``) is no online one-pass quantity: ``log m`` needs both sides'
 final log-probabilities. So it makes two passes over the tiles: the first accumulates both sides' max
 and sum of ``exp(z - max)`` (as above), the second forms ``log p = (z - max) - log sum`` per side and
-``log m = log beta + logaddexp(log pt, log ps + log((1 - beta) / beta))`` per entry and sums
-``A = sum pt (log pt - log m)`` and ``B = sum ps (log ps - log m)`` per row (an entry without mass on
-a side adds nothing to that side's sum; without mass on both, nothing at all): ``jsd = beta A + (1 -
-beta) B``. Its gradient: ``d jsd / d ps_j = (1 - beta) log(ps_j / m_j) =: g_j``, so ``d jsd / d
-student = ps (g - E_ps[g]) / T`` with ``E_ps[g] = (1 - beta) B`` from the forward; the backward
-recomputes each tile of both sides (one more pass), like the other directions. Its tiles are planned
-for :data:`JSD_LIVE_TILES` live at once.
+``log m = log beta + logaddexp(log pt, log ps + log((1 - beta) / beta))`` per entry
+(:func:`_log_mixture`, not by ``torch.logaddexp``) and sums ``A = sum pt (log pt - log m)`` and
+``B = sum ps (log ps - log m)`` per row (an entry without mass on a side adds nothing to that side's
+sum; without mass on both, nothing at all): ``jsd = beta A + (1 - beta) B``. Its gradient:
+``d jsd / d ps_j = (1 - beta) log(ps_j / m_j) =: g_j``, so ``d jsd / d student = ps (g - E_ps[g]) /
+T`` with ``E_ps[g] = (1 - beta) B`` from the forward; the backward recomputes each tile of both
+sides (one more pass), like the other directions.
 
-Memory: a tile holds at most ``budget / 4`` bytes (fp32; three such tiles and a bool one live at once) and,
-for bf16/fp16 weights, the fp32 copy of a vocabulary block of the weight is capped to the budget.
+Memory: a tile holds at most ``budget / 4`` bytes (fp32; three such tiles and a bool one live at
+once), ``budget / 5`` for ``"jsd"`` (:data:`JSD_LIVE_TILES`: four and a bool one) and, for
+bf16/fp16 weights, the fp32 copy of a vocabulary block of the weight is capped to the budget.
 Batch invariance: the tile shape does not depend on the number of rows; on the CPU a tile has at
 least :data:`~logprob_registry.kit.MIN_GEMM_ROWS` rows (zero rows pad it), elsewhere every tile is
 padded to the plan's row count, so that every kernel sees one shape whatever the batch.
