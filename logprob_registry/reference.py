@@ -342,7 +342,13 @@ def kl_divergence(
     if direction == "jsd":
         b = 0.5 if beta is None else float(beta)
         log_t, log_s = log_p, log_q
-        log_m = torch.logsumexp(torch.stack([log_t + math.log(b), log_s + math.log1p(-b)]), 0)
+        # log m; where neither side has mass it is -inf, its inputs replaced (logsumexp's gradient
+        # is NaN at -inf, -inf, and would reach the student through a zero upstream gradient)
+        both = torch.isneginf(log_t) & torch.isneginf(log_s)
+        zero = torch.zeros((), dtype=log_t.dtype, device=log_t.device)
+        log_m = torch.logsumexp(torch.stack([torch.where(both, zero, log_t) + math.log(b),
+                                             torch.where(both, zero, log_s) + math.log1p(-b)]), 0)
+        log_m = torch.where(both, torch.full_like(log_m, -math.inf), log_m)
         kl = b * kl_terms(log_t, log_m).sum(-1) + (1 - b) * kl_terms(log_s, log_m).sum(-1)
     else:
         kl = kl_terms(log_p, log_q).sum(-1)

@@ -204,6 +204,17 @@ OPS = {"kl_divergence": kl}
 ''', 'features={"kl_support"}', "test_kl_support or test_kl_values[forward-float32]",
         {f"test_kl_support_tail_accuracy[{d}]" for d in ("forward", "reverse")}  # the tail of mass 1e-9
         | {f"test_kl_support[{d}-tail-{t}]" for d in ("forward", "reverse") for t in ("float32", "bfloat16")}),  # K = V
+    "bad-jsd-mixture-weights-swapped": (
+        '''
+def kl(student, teacher, *, direction, temperature, mask, tail, beta=None):
+    beta = None if beta is None else 1 - beta  # M = (1 - beta) T + beta S: the same at beta 1/2 only
+    return ref.kl_divergence(student, teacher, dtype=kit.result_dtype(student.dtype), direction=direction,
+                             temperature=temperature, mask=mask, tail=tail, beta=beta)
+
+
+OPS = {"kl_divergence": kl}
+''', 'features={"kl_jsd"}', "test_kl_jsd or test_kl_values[forward-float32]",
+        {f"test_kl_jsd[{b}-{d}]" for b in ("0.25", "0.75") for d in ("float32", "bfloat16")}),
 }
 
 # A correct backend a sensible design gives: 64 rows at a time in float32 (three 8 MiB temporaries

@@ -5,9 +5,9 @@ for fp64 input) in a small workspace, so the forward never copies the logits (st
 ``logits[:, :-1]`` included) and never computes in bf16/fp16; the backward keeps one to three
 numbers per row and recomputes the softmax chunk by chunk, out of place or over the logits
 (``inplace_backward=True``). ``logprobs_from_hidden`` forms the logits one tile at a time
-(:mod:`._hidden`); ``kl_divergence`` streams both sides tile by tile (:mod:`._kl`). Pure
-PyTorch: it runs wherever torch runs. How it works, its settings and its
-measured numbers: docs/backends/chunked.md.
+(:mod:`._hidden`); ``kl_divergence`` streams both sides tile by tile (:mod:`._kl`; the
+generalized JSD in two passes). Pure PyTorch: it runs wherever torch runs. How it works, its
+settings and its measured numbers: docs/backends/chunked.md.
 
 The sampler's processing (softcap, top_k, top_p, min_p, keep), candidate labels, ``topk_logprobs``
 and the fused op's ``logits_dtype`` go through :mod:`._sampler`, a chunk of rows at a time; a call
@@ -205,12 +205,12 @@ def token_stats(inputs, labels, *, weight, bias, outputs, temperature, ignore_in
 
 
 def kl_divergence(student, teacher, *, direction, temperature, mask, tail, student_weight=None,
-                  teacher_weight=None, support=None):
+                  teacher_weight=None, support=None, beta=None):
     hidden = student_weight is not None or teacher_weight is not None
     budget = _hidden.resolve_chunk_bytes(student.device) if hidden else workspace_bytes()
     return _kl.kl_divergence(student, teacher, direction=direction, temperature=temperature, mask=mask, tail=tail,
                              student_weight=student_weight, teacher_weight=teacher_weight, support=support,
-                             budget=budget, fixed=student.device.type not in ROW_WISE_DEVICES)
+                             beta=beta, budget=budget, fixed=student.device.type not in ROW_WISE_DEVICES)
 
 
 def shard_stats(logits, labels, *, vocab_start, tile, temperature, ignore_index, with_entropy, **sampler):
@@ -267,7 +267,7 @@ def register_backends(register):
         batch_invariant=True,
         deterministic=True,
         features={"candidates", "softcap", "top_k", "top_p", "min_p", "keep", "logits_dtype", "kl_hidden",
-                  "kl_support", "shard_sampler", "per_row", "sampler"},
+                  "kl_support", "kl_jsd", "shard_sampler", "per_row", "sampler"},
         group_invariant=True,
         memory="two fp32 chunk buffers within the workspace budget (8 MiB by default) and a few "
                "floats per row; backward: the gradient, none with inplace_backward",

@@ -23,8 +23,21 @@ and the log-sum-exp of the complement (the support's columns masked out), ``(N, 
 logits, whose KL (over K + 1 buckets, or the K renormalised with ``tail=False``) is formed by
 differentiable torch ops; the bucket logits' backward recomputes tiles likewise.
 
-Memory: a tile holds at most ``budget / 4`` bytes (fp32; three such tiles and a bool one live at once) and,
-for bf16/fp16 weights, the fp32 copy of a vocabulary block of the weight is capped to the budget.
+``direction="jsd"`` (the generalized Jensen-Shannon divergence ``beta KL(t || m) + (1 - beta) KL(s ||
+m)``, ``m = beta pt + (1 - beta) ps``) is no online one-pass quantity: ``log m`` needs both sides'
+final log-probabilities. So it makes two passes over the tiles: the first accumulates both sides' max
+and sum of ``exp(z - max)`` (as above), the second forms ``log p = (z - max) - log sum`` per side and
+``log m = log beta + logaddexp(log pt, log ps + log((1 - beta) / beta))`` per entry
+(:func:`_log_mixture`, not by ``torch.logaddexp``) and sums ``A = sum pt (log pt - log m)`` and
+``B = sum ps (log ps - log m)`` per row (an entry without mass on a side adds nothing to that side's
+sum; without mass on both, nothing at all): ``jsd = beta A + (1 - beta) B``. Its gradient:
+``d jsd / d ps_j = (1 - beta) log(ps_j / m_j) =: g_j``, so ``d jsd / d student = ps (g - E_ps[g]) /
+T`` with ``E_ps[g] = (1 - beta) B`` from the forward; the backward recomputes each tile of both
+sides (one more pass), like the other directions.
+
+Memory: a tile holds at most ``budget / 4`` bytes (fp32; three such tiles and a bool one live at
+once), ``budget / 5`` for ``"jsd"`` (:data:`JSD_LIVE_TILES`: four and a bool one) and, for
+bf16/fp16 weights, the fp32 copy of a vocabulary block of the weight is capped to the budget.
 Batch invariance: the tile shape does not depend on the number of rows; on the CPU a tile has at
 least :data:`~logprob_registry.kit.MIN_GEMM_ROWS` rows (zero rows pad it), elsewhere every tile is
 padded to the plan's row count, so that every kernel sees one shape whatever the batch.
@@ -41,8 +54,11 @@ from logprob_registry.kit import MIN_GEMM_ROWS, backward_without_autocast, resul
 
 #: The budget's share of one tile (three tiles, a bool tile and small vectors live at once).
 LIVE_TILES = 4
+#: The same for ``direction="jsd"`` (four tiles and a bool one: both sides' log-probabilities, log m
+#: and one side's probabilities).
+JSD_LIVE_TILES = 5
 
-__all__ = ["LIVE_TILES", "Tiles", "kl_divergence", "plan"]
+__all__ = ["JSD_LIVE_TILES", "LIVE_TILES", "Tiles", "kl_divergence", "plan"]
 
 
 class Tiles(NamedTuple):
@@ -53,12 +69,14 @@ class Tiles(NamedTuple):
     fixed: bool
 
 
-def plan(v: int, dtype: torch.dtype, budget: int, fixed: bool, hidden_sizes: Tuple[int, ...] = ()) -> Tiles:
+def plan(v: int, dtype: torch.dtype, budget: int, fixed: bool, hidden_sizes: Tuple[int, ...] = (),
+         live: int = LIVE_TILES) -> Tiles:
     """Tile shape for a vocabulary of ``v`` within ``budget`` bytes, independent of the number of
-    rows. ``hidden_sizes``: the hidden sizes of the sides given as hidden states whose weight is
-    bf16/fp16 (an fp32 copy of a vocabulary block of it is also capped to the budget)."""
+    rows, ``live`` tiles at once. ``hidden_sizes``: the hidden sizes of the sides given as hidden
+    states whose weight is bf16/fp16 (an fp32 copy of a vocabulary block of it is also capped to the
+    budget)."""
     elem = 8 if dtype == torch.float64 else 4
-    cells = max(1, budget // (LIVE_TILES * elem))
+    cells = max(1, budget // (live * elem))
     cols = min(v, max(1, math.isqrt(cells)))
     for h in hidden_sizes:
         cols = min(cols, max(1, budget // (4 * max(h, 1))))
@@ -198,6 +216,61 @@ def _forward(s: _Side, t: _Side, reverse: bool, tiles: Tiles):
     return kl, lse_s, lse_t, mean
 
 
+def _log_probs(z: torch.Tensor, shift: torch.Tensor, log_sum: torch.Tensor, sl: slice) -> torch.Tensor:
+    """``log p = (z - max) - log sum`` in place into ``z`` (``z - max`` exact near the max)."""
+    return z.sub_(shift[sl].unsqueeze(1)).sub_(log_sum[sl].unsqueeze(1))
+
+
+def _log_mixture(ls: torch.Tensor, lt: torch.Tensor, beta: float) -> torch.Tensor:
+    """``log m = log(beta pt + (1 - beta) ps)``, a new tile (one more lives meanwhile): with ``u = ls +
+    log((1 - beta) / beta)``, ``log beta + max(lt, u) + log1p(exp(-|lt - u|))``; NaN where neither side
+    has mass (every use weighs it by a zero probability). Not ``torch.logaddexp``: on the CPU its
+    vectorised loop and its scalar tail round differently, so a row's bits would depend on where it
+    lies in the tile (batch invariance); ``exp``, ``log1p`` and ``maximum`` round alike in both."""
+    u = ls.add(math.log1p(-beta) - math.log(beta))
+    top = torch.maximum(lt, u)
+    u.sub_(lt).abs_().neg_().exp_().log1p_()
+    return u.add_(top).add_(math.log(beta))
+
+
+def _jsd_forward(s: _Side, t: _Side, beta: float, tiles: Tiles):
+    """Per row: the generalized JSD, each side's max and log sum of ``exp(z - max)`` (pass one) and
+    ``E_ps[g]``, ``g = (1 - beta) log(ps / m)`` (pass two), as the backward needs them."""
+    n, v, cd = s.n, s.v, s.cd
+    dev = s.x.device
+    size = n + tiles.rows
+    os_, ot = _Online(size, dev, cd), _Online(size, dev, cd)
+    for v0 in range(0, v, tiles.cols):
+        v1 = min(v, v0 + tiles.cols)
+        s.start_block(v0, v1)
+        t.start_block(v0, v1)
+        for r0 in range(0, n, tiles.rows):
+            pad = _pad(tiles, n, r0)
+            sl = slice(r0, r0 + pad)
+            os_.add(sl, s.tile(r0, pad, v0, v1), keep=False)
+            ot.add(sl, t.tile(r0, pad, v0, v1), keep=False)
+    stats = (_safe(os_.m), os_.s.log(), _safe(ot.m), ot.s.log())
+    ut = torch.zeros(size, device=dev, dtype=cd)  # sum pt (log pt - log m)
+    us = torch.zeros(size, device=dev, dtype=cd)  # sum ps (log ps - log m)
+    for v0 in range(0, v, tiles.cols):
+        v1 = min(v, v0 + tiles.cols)
+        s.start_block(v0, v1)
+        t.start_block(v0, v1)
+        for r0 in range(0, n, tiles.rows):
+            pad = _pad(tiles, n, r0)
+            sl = slice(r0, r0 + pad)
+            ls = _log_probs(s.tile(r0, pad, v0, v1), stats[0], stats[1], sl)
+            lt = _log_probs(t.tile(r0, pad, v0, v1), stats[2], stats[3], sl)
+            lm = _log_mixture(ls, lt, beta)
+            p = lt.exp()
+            ut[sl] += _mul_zero(lt.sub_(lm), p).sum(1)
+            torch.exp(ls, out=p)
+            us[sl] += _mul_zero(ls.sub_(lm), p).sum(1)
+            del ls, lt, lm, p
+    jsd = beta * ut[:n] + (1 - beta) * us[:n]
+    return jsd, tuple(x[:n] for x in stats) + ((1 - beta) * us[:n],)
+
+
 class _StudentGrads:
     """The student's gradient, tile by tile: the logits' own (a new tensor of their shape and dtype),
     or hidden and weight (fp32 accumulators rounded once at the end)."""
@@ -253,16 +326,24 @@ def _coefficient(grad: torch.Tensor, keep: Optional[torch.Tensor], inv_t: float,
     return c
 
 
-def _backward(s: _Side, t: _Side, reverse: bool, tiles: Tiles, lse_s, lse_t, mean, coef, grads: _StudentGrads):
+def _backward(s: _Side, t: _Side, direction: str, beta: Optional[float], tiles: Tiles, stats, coef,
+              grads: _StudentGrads):
+    """The student's gradient; ``stats``: ``(lse_s, lse_t, E_ps[a - b] or None)`` from :func:`_forward`,
+    or, for ``"jsd"``, ``(max_s, log sum_s, max_t, log sum_t, E_ps[g])`` from :func:`_jsd_forward`."""
     n, v, cd = s.n, s.v, s.cd
     size = n + tiles.rows
+    reverse, jsd = direction == "reverse", direction == "jsd"
 
     def row(x: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(size, device=x.device, dtype=cd)
         out[:n] = x
         return out
 
-    lse_s, lse_t, mean = row(lse_s), row(lse_t), None if mean is None else row(mean)
+    stats = tuple(None if x is None else row(x) for x in stats)
+    if jsd:
+        mean = stats[4]
+    else:
+        lse_s, lse_t, mean = stats
     dead = coef == 0  # masked rows and padding: exactly 0, whatever their logits
     for v0 in range(0, v, tiles.cols):
         v1 = min(v, v0 + tiles.cols)
@@ -275,11 +356,19 @@ def _backward(s: _Side, t: _Side, reverse: bool, tiles: Tiles, lse_s, lse_t, mea
             h = s.hidden_rows(r0, pad) if s.w is not None else None
             a = s.tile(r0, pad, v0, v1, h)
             b = t.tile(r0, pad, v0, v1)
-            ps = a.sub(lse_s[sl].unsqueeze(1)).exp_()
-            if reverse:
+            if jsd:
+                # ps (g - E_ps[g]), g = (1 - beta) (log ps - log m); 0 where ps is 0
+                ls = _log_probs(a, stats[0], stats[1], sl)
+                lm = _log_mixture(ls, _log_probs(b, stats[2], stats[3], sl), beta)
+                ps = torch.exp(ls, out=b)
+                dz = _mul_zero(ls.sub_(lm).mul_(1 - beta).sub_(mean[sl].unsqueeze(1)), ps)
+                del lm
+            elif reverse:
                 # ps ((a - b) - E_ps[a - b]); 0 where ps is 0
+                ps = a.sub(lse_s[sl].unsqueeze(1)).exp_()
                 dz = _mul_zero(a.sub_(b).sub_(mean[sl].unsqueeze(1)), ps)
             else:
+                ps = a.sub(lse_s[sl].unsqueeze(1)).exp_()
                 dz = ps.sub_(b.sub_(lse_t[sl].unsqueeze(1)).exp_())
             dz.mul_(coef[sl].unsqueeze(1)).masked_fill_(dead[sl].unsqueeze(1), 0.0)
             grads.add(r0, pad, v0, v1, dz, h)
@@ -396,16 +485,29 @@ class _Buckets(torch.autograd.Function):
         return (gx if need[0] else None), (gw if need[1] else None), None, None, None, None
 
 
-def _bucket_kl(ls: torch.Tensor, lt: torch.Tensor, reverse: bool) -> torch.Tensor:
-    """KL over the last dim of bucket logits (differentiable torch ops)."""
-    qs, qt = ls.log_softmax(-1), lt.log_softmax(-1)
-    lp, lq = (qs, qt) if reverse else (qt, qs)
-    zero = lp == float("-inf")  # 0 log 0 = 0, with a zero gradient too
+def _kl_terms(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
+    """``sum p (log p - log q)`` over the last dim; 0 log 0 = 0, with a zero gradient too."""
+    zero = lp == float("-inf")
     diff = torch.where(zero, torch.zeros((), dtype=lp.dtype, device=lp.device), lp - lq)
     return (lp.exp() * diff).sum(-1)
 
 
-def _support_kl(student, teacher, sw, tw, support, keep, reverse, inv_t, tail, tiles, cd):
+def _bucket_kl(ls: torch.Tensor, lt: torch.Tensor, direction: str, beta: Optional[float]) -> torch.Tensor:
+    """KL (or JSD) over the last dim of bucket logits (differentiable torch ops)."""
+    qs, qt = ls.log_softmax(-1), lt.log_softmax(-1)
+    if direction != "jsd":
+        return _kl_terms(qs, qt) if direction == "reverse" else _kl_terms(qt, qs)
+    # log m as _log_mixture forms it, its inputs replaced where both sides have no mass (a NaN there
+    # would reach the gradient)
+    both = (qs == float("-inf")) & (qt == float("-inf"))
+    zero = torch.zeros((), dtype=qs.dtype, device=qs.device)
+    lt, u = torch.where(both, zero, qt), torch.where(both, zero, qs) + math.log((1 - beta) / beta)
+    lm = torch.maximum(lt, u) + torch.log1p(torch.exp(-(lt - u).abs())) + math.log(beta)
+    lm = torch.where(both, torch.full((), float("-inf"), dtype=qs.dtype, device=qs.device), lm)
+    return beta * _kl_terms(qt, lm) + (1 - beta) * _kl_terms(qs, lm)
+
+
+def _support_kl(student, teacher, sw, tw, support, keep, direction, beta, inv_t, tail, tiles, cd):
     n = math.prod(student.shape[:-1])
     sup = support.reshape(n, support.shape[-1]).long()
     t_side = _Side(teacher, tw, cd, inv_t)
@@ -420,76 +522,88 @@ def _support_kl(student, teacher, sw, tw, support, keep, reverse, inv_t, tail, t
         lt = torch.cat([t_got, t_tail.unsqueeze(1)], 1)
     else:
         ls, lt = s_got, t_got
-    return _bucket_kl(ls, lt, reverse)
+    return _bucket_kl(ls, lt, direction, beta)
 
 
 # ------------------------------------------------------------------------------ the autograd function
-def _dense_kl(student, sw, teacher, tw, reverse: bool, inv_t: float, cd) -> torch.Tensor:
+def _dense_kl(student, sw, teacher, tw, direction: str, beta: Optional[float], inv_t: float, cd) -> torch.Tensor:
     """The KL by differentiable torch ops, materialising the logits: for a double backward only."""
     a = (student.to(cd) if sw is None else student.to(cd) @ sw.to(cd).t()) * inv_t
     b = (teacher.to(cd) if tw is None else teacher.to(cd) @ tw.to(cd).t()) * inv_t
-    return _bucket_kl(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), reverse)
+    return _bucket_kl(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), direction, beta)
+
+
+def _divergence(s: _Side, t: _Side, direction: str, beta: Optional[float], tiles: Tiles):
+    """The per-row value and the statistics its backward needs (:func:`_backward`)."""
+    if direction == "jsd":
+        return _jsd_forward(s, t, beta, tiles)
+    reverse = direction == "reverse"
+    kl, lse_s, lse_t, mean = _forward(s, t, reverse, tiles)
+    return kl, (lse_s, lse_t, mean if reverse else None)
 
 
 class _KL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, student, weight, teacher, teacher_weight, reverse, inv_t, tiles):
+    def forward(ctx, student, weight, teacher, teacher_weight, direction, beta, inv_t, tiles):
         cd = result_dtype(student.dtype)
         s, t = _Side(student, weight, cd, inv_t), _Side(teacher, teacher_weight, cd, inv_t)
-        kl, lse_s, lse_t, mean = _forward(s, t, reverse, tiles)
-        ctx.save_for_backward(student, weight, teacher, teacher_weight, lse_s, lse_t, mean if reverse else None)
-        ctx.options = (reverse, inv_t, tiles)
+        kl, stats = _divergence(s, t, direction, beta, tiles)
+        ctx.save_for_backward(student, weight, teacher, teacher_weight, *stats)
+        ctx.options = (direction, beta, inv_t, tiles)
         ctx.set_materialize_grads(False)
         return kl
 
     @staticmethod
     @backward_without_autocast
     def backward(ctx, grad):
-        student, weight, teacher, teacher_weight, lse_s, lse_t, mean = ctx.saved_tensors
-        reverse, inv_t, tiles = ctx.options
+        student, weight, teacher, teacher_weight, *stats = ctx.saved_tensors
+        direction, beta, inv_t, tiles = ctx.options
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         if grad is None or not any(need):
-            return (None,) * 7
+            return (None,) * 8
         cd = result_dtype(student.dtype)
         if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
             inputs = (student if need[0] else None, weight if need[1] else None)
-            outputs = lambda: (_dense_kl(student, weight, teacher, teacher_weight, reverse, inv_t, cd),)
-            return second_order_gradient(outputs, inputs, (grad.reshape(-1),)) + (None,) * 5
+            outputs = lambda: (_dense_kl(student, weight, teacher, teacher_weight, direction, beta, inv_t, cd),)
+            return second_order_gradient(outputs, inputs, (grad.reshape(-1),)) + (None,) * 6
         s, t = _Side(student, weight, cd, inv_t), _Side(teacher, teacher_weight, cd, inv_t)
         coef = _coefficient(grad, None, inv_t, s.n + tiles.rows, cd)
         grads = _StudentGrads(s, student, weight, need, tiles)
-        _backward(s, t, reverse, tiles, lse_s, lse_t, mean, coef, grads)
+        _backward(s, t, direction, beta, tiles, stats, coef, grads)
         gx, gw = grads.result(student)
-        return (gx if need[0] else None), (gw if need[1] else None), None, None, None, None, None
+        return (gx if need[0] else None), (gw if need[1] else None), None, None, None, None, None, None
 
 
 def kl_divergence(student: torch.Tensor, teacher: torch.Tensor, *, direction: str, temperature: float,
                   mask: Optional[torch.Tensor], tail: bool, student_weight: Optional[torch.Tensor] = None,
                   teacher_weight: Optional[torch.Tensor] = None, support: Optional[torch.Tensor] = None,
-                  budget: int, fixed: bool) -> torch.Tensor:
+                  beta: Optional[float] = None, budget: int, fixed: bool) -> torch.Tensor:
     """The backend op behind :func:`logprob_registry.kl_divergence` (inputs validated, the teacher
-    detached): float32 ``(...)`` (float64 for float64 input). ``budget``: bytes of the tile buffers;
-    ``fixed``: pad every tile to one shape (accelerators)."""
+    detached): float32 ``(...)`` (float64 for float64 input). ``beta``: direction ``"jsd"``'s
+    (validated in (0, 1)). ``budget``: bytes of the tile buffers; ``fixed``: pad every tile to one
+    shape (accelerators)."""
     lead = student.shape[:-1]
     cd = result_dtype(student.dtype)
-    reverse = direction == "reverse"
+    if direction == "jsd":
+        beta = 0.5 if beta is None else float(beta)
     inv_t = 1.0 / temperature
     teacher = teacher.detach()
     teacher_weight = None if teacher_weight is None else teacher_weight.detach()
     v = student.shape[-1] if student_weight is None else student_weight.shape[0]
     low: List[int] = [w.shape[1] for w in (student_weight, teacher_weight)
                       if w is not None and w.dtype in (torch.float16, torch.bfloat16)]
-    tiles = plan(v, student.dtype, budget, fixed, tuple(low))
+    live = JSD_LIVE_TILES if direction == "jsd" and support is None else LIVE_TILES
+    tiles = plan(v, student.dtype, budget, fixed, tuple(low), live)
     keep = None if mask is None else mask.reshape(-1)
     if support is not None:
-        kl = _support_kl(student, teacher, student_weight, teacher_weight, support, keep, reverse, inv_t, tail,
-                         tiles, cd)
+        kl = _support_kl(student, teacher, student_weight, teacher_weight, support, keep, direction, beta, inv_t,
+                         tail, tiles, cd)
     elif torch.is_grad_enabled() and (student.requires_grad or
                                       (student_weight is not None and student_weight.requires_grad)):
-        kl = _KL.apply(student, student_weight, teacher, teacher_weight, reverse, inv_t, tiles)
+        kl = _KL.apply(student, student_weight, teacher, teacher_weight, direction, beta, inv_t, tiles)
     else:
         s, t = _Side(student, student_weight, cd, inv_t), _Side(teacher, teacher_weight, cd, inv_t)
-        kl = _forward(s, t, reverse, tiles)[0]
+        kl = _divergence(s, t, direction, beta, tiles)[0]
     if keep is not None:
         kl = torch.where(keep, kl, torch.zeros((), dtype=kl.dtype, device=kl.device))
     return kl.view(lead)

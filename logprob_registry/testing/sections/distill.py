@@ -149,6 +149,14 @@ def _check(lp: Harness, student: torch.Tensor, teacher: torch.Tensor, what: str,
     return got
 
 
+def _directions(lp: Harness):
+    """``(direction, options)``: both KLs, and the generalized JSD where the backend declares kl_jsd."""
+    out = [("forward", {}), ("reverse", {})]
+    if "kl_jsd" in lp.backend.features:
+        out.append(("jsd", {"beta": 0.3}))
+    return out
+
+
 def _hidden(lp: Harness, dtype: torch.dtype, size: int, seed: int, vocab: int = V):
     """Hidden states ``LEAD + (size,)`` and a weight ``(vocab, size)`` whose logits are like the logits'."""
     h = _draw(lp, "hidden", LEAD + (size,), dtype, seed)
@@ -277,8 +285,9 @@ class DistillSection:
     @pytest.mark.parametrize("variant", HIDDEN_VARIANTS)
     def test_kl_hidden(self, lp: Harness, variant: str, dtype: str) -> None:
         """Either side (or both, of different hidden sizes) as hidden states with its lm_head:
-        values and the gradients of the student's hidden states and weight; the teacher's hidden
-        states and weight get none, even when they require it."""
+        values and the gradients of the student's hidden states and weight (both directions, and
+        the generalized JSD for a backend with kl_jsd); the teacher's hidden states and weight get
+        none, even when they require it."""
         dt = DTYPES[dtype]
         lp.require(OP, dt, grad=True, features=("kl_hidden",), vocab=V)
         s, t = _pair(lp, dt, seed=60)
@@ -287,8 +296,9 @@ class DistillSection:
             s, options["student_weight"] = _hidden(lp, dt, 48, 61)
         if variant in ("teacher-hidden", "both-hidden"):
             t, options["teacher_weight"] = _hidden(lp, dt, 80, 63)
-        for direction in ("forward", "reverse"):
-            _check(lp, s, t, f"{variant} {direction} {dtype}", direction=direction, temperature=0.7, **options)
+        for direction, extra in _directions(lp):
+            _check(lp, s, t, f"{variant} {direction} {dtype}", direction=direction, temperature=0.7, **extra,
+                   **options)
         if "teacher_weight" in options:
             teacher = t.clone().requires_grad_(True)
             weight = options["teacher_weight"].clone().requires_grad_(True)
@@ -349,7 +359,7 @@ class DistillSection:
     def test_kl_batch_invariant(self, lp: Harness) -> None:
         """A position's KL is bitwise the same alone, in a sub-batch and in the whole batch, and
         under another leading shape (logits; hidden states too with kl_hidden, support ids with
-        kl_support)."""
+        kl_support; the generalized JSD too with kl_jsd)."""
         lp.require(OP, vocab=V)
         lp.require_capability("batch_invariant", "batch invariance")
         s, t = _pair(lp, lead=(12,), seed=90)
@@ -361,8 +371,10 @@ class DistillSection:
             w = _draw(lp, "weight", (V, 48), torch.float32, 92)
             cases["hidden"] = ({"student_weight": w}, h, t)
         for name, (options, student, teacher) in cases.items():
-            for direction in ("forward", "reverse"):
-                def call(rows, _o=options, _s=student, _t=teacher, _d=direction):
+            for direction, extra in _directions(lp):
+                both = dict(options, **extra)
+
+                def call(rows, _o=both, _s=student, _t=teacher, _d=direction):  # noqa: B006 - read only
                     o = {k: (v[rows] if k == "support" else v) for k, v in _o.items()}
                     return lp.call(OP, _s[rows], _t[rows], direction=_d, **o)[0]
 
@@ -372,5 +384,6 @@ class DistillSection:
                     assert torch.equal(call(rows), whole[rows]), (
                         f"{name} {direction}: {what} differs from the same rows in a batch of 12")
                 o = {k: (v.view(3, 4, -1) if k == "support" else v) for k, v in options.items()}
-                shaped = lp.call(OP, student.view(3, 4, -1), teacher.view(3, 4, -1), direction=direction, **o)[0]
+                shaped = lp.call(OP, student.view(3, 4, -1), teacher.view(3, 4, -1), direction=direction, **extra,
+                                 **o)[0]
                 assert torch.equal(shaped.reshape(-1), whole), f"{name} {direction}: a (3, 4) batch differs from (12,)"
