@@ -264,7 +264,9 @@ class Registry(PluginSet):
 
     def verdicts(self, key: Key, strict: Optional[bool] = None) -> List[Verdict]:
         """Every backend's verdict for ``key``, best first; under strict mode (``strict``, None: the
-        mode in force) with its verdicts and without broken marks (see the module docstring)."""
+        mode in force) with its verdicts and without broken marks (see the module docstring); then
+        with each one's memory verdict for the op's promise, those breaking it passed over unless
+        ``LOGPROB_REGISTRY_MEMORY=speed`` (:func:`.ranking.memory_verdicts`)."""
         if strict is None:
             strict = strict_in_force()
         env = self.environment()
@@ -295,7 +297,8 @@ class Registry(PluginSet):
 
     def _refuse_strict(self, name: str, source: str, key: Key, missing: List[str]) -> None:
         """Raise: the explicit choice ``name`` lacks promises strict mode needs for ``key``."""
-        promising = [v.name for v in self.verdicts(key, strict=True) if v.reason is None and v.skipped is None]
+        promising = [v.name for v in self.verdicts(key, strict=True)
+                     if v.reason is None and not (v.skipped or "").startswith("strict mode")]
         raise NoEligibleBackendError(
             f"backend {name!r} (chosen by {source}) cannot run {key.describe()} in strict mode "
             f"({strict_source()}): it does not promise {' or '.join(missing)}. Backends that can run it and "
