@@ -183,6 +183,11 @@ def test_a_measurement_overrides_the_declaration(make_registry, tmp_path, monkey
     assert "measured from 16 to 2048 rows at V=32768, its extra peak beyond the gradients grew by 2.00x" \
         in report["tiler"].why
     assert cache.load(str(path)).entries[cache.string_of(key)].memory["tiler"] == grows  # the file keeps it
+    # tune --backend tiler again: its reading replaced, the copier's kept
+    again = cache.Ranking("2.6.0", ranking.machines, {}, {cache.string_of(key): cache.Entry(
+        {"tiler": 0.002}, vocab=32768, hidden=1024, memory={"tiler": flat})})
+    merged = ranking.merged(again).entries[cache.string_of(key)]
+    assert merged.memory == {"copier": flat, "tiler": flat}
 
 
 def test_tune_measures_peak_memory_beside_time():
