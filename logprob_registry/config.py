@@ -183,3 +183,17 @@ STRICT = declare(Variable(
     "LOGPROB_REGISTRY_STRICT", parse_flag, False,
     "1: strict mode process-wide (as lr.strict()): no run-time fallback, and the automatic choice only "
     "among backends that promise batch invariance and determinism (group invariance with process_group)"))
+
+
+def _memory_mode(text: str) -> str:
+    word = text.strip().lower()
+    if word not in ("promise", "speed"):
+        raise ValueError('neither "promise" (the default: the automatic choice keeps each op\'s memory promise) '
+                         'nor "speed" (the fastest, even one that breaks it)')
+    return word
+
+
+MEMORY = declare(Variable(
+    "LOGPROB_REGISTRY_MEMORY", _memory_mode, "promise",
+    "speed: the automatic choice takes the fastest backend even where it breaks the op's memory promise (the fused "
+    "op forming the (N, V) logits); promise (default): a backend breaking it is passed over (docs/tuning.md)"))

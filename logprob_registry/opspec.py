@@ -294,6 +294,54 @@ def stats_examples(spec: "OpSpec", shape: Sequence[int], dtype: torch.dtype, dev
     return Example({"inputs": x, "labels": labels}, given)
 
 
+class MemoryPromise(NamedTuple):
+    """What an op promises of the memory a call adds (:attr:`OpSpec.memory`), by which selection
+    passes a backend over (docs/tuning.md, "Memory is part of best"): as the rows grow, the call's
+    extra peak memory beyond the gradients it returns grows by at most ``share`` times the float32
+    ``(N, V)`` logits (a fixed workspace, however large, is allowed: only what grows with the rows
+    counts). A backend declaring ``copies_logits`` breaks it; ``logprob-registry tune`` measures it."""
+
+    name: str     # in a sentence: "never the (N, V) logits"
+    share: float  # the growth allowed, as a fraction of the float32 logits' growth
+    doc: str
+    from_vocab: int = 0  # it holds for vocabulary buckets from this size (buckets, never rows)
+
+    def judge(self, memory: Mapping[str, float], vocab: int) -> Tuple[Optional[bool], float, str]:
+        """Whether extra peaks measured beyond the gradients (``{rows: bytes}``, at least two row
+        counts; :data:`MEMORY_NOISE` forgiven) keep it at a vocabulary of ``vocab``: ``(keeps, the
+        growth as a fraction of the float32 logits' growth, the sentence saying what was measured)``;
+        ``(None, nan, ...)`` when fewer than two row counts were measured."""
+        points = sorted((int(r), float(b)) for r, b in memory.items())
+        if len(points) < 2 or not vocab or points[0][0] == points[-1][0]:
+            return None, math.nan, "not measured at two row counts"
+        (r0, m0), (r1, m1) = points[0], points[-1]
+        ratio = max(m1 - m0 - MEMORY_NOISE, 0.0) / ((r1 - r0) * vocab * 4.0)
+        return ratio <= self.share, ratio, (
+            f"measured from {r0} to {r1} rows at V={vocab}, its extra peak beyond the gradients grew by "
+            f"{ratio:.2f}x the float32 logits' growth (the promise allows {self.share:g}x)")
+
+
+#: Growth of a measured extra peak forgiven before :meth:`MemoryPromise.judge` compares it: a
+#: workspace that grows with the rows up to a cap (compiled's tile of the fused op: 16 MiB on the
+#: CPU, 32 MiB on a GPU), and the granularity of a reading.
+MEMORY_NOISE = 32 << 20
+
+#: The promise of an op given hidden states and a weight: its point is never forming the logits.
+NO_LOGITS = MemoryPromise(
+    "never the (N, V) logits", 0.1,
+    "never forms the (N, V) logits: its extra peak memory beyond the gradients it returns grows by at most "
+    "0.1x the float32 logits as the rows grow")
+#: The promise of an op given logits (the caller holds them): no temporary as large as they are,
+#: from vocabularies of 257 (on 256 and fewer a copy costs less than avoiding it: naive's ground).
+NO_COPY = MemoryPromise(
+    "no (N, V) temporary beyond the gradient", 0.5,
+    "no (N, V) temporary beyond the gradient it returns (the logits are read where they lie): its extra peak "
+    "memory beyond the gradient grows by at most 0.5x the float32 logits as the rows grow; from vocabularies "
+    "of 257 (none below)", from_vocab=257)
+#: The promises of an op that takes logits, or hidden states with a weight, by the inputs given.
+BOTH_PROMISES = {"logits": NO_COPY, "hidden": NO_LOGITS}
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """One op: ``backend.ops[name](*inputs, **options)`` returns ``outputs``."""
@@ -318,6 +366,9 @@ class OpSpec:
     # How its inputs are given (one of FORMS); None: "hidden" with a hidden input, "sides" with a
     # student, else "logits".
     form: Optional[str] = None
+    # Its memory promise by the inputs given: "logits" for calls given logits, "hidden" for calls
+    # given hidden states (MemoryPromise; selection keeps it, see promise()); empty: none.
+    memory: Mapping[str, MemoryPromise] = field(default_factory=dict, compare=False)
     results: Tuple[Output, ...] = field(init=False, repr=False, compare=False)
     option_index: Dict[str, Option] = field(init=False, repr=False, compare=False)
     _featured: Tuple[Option, ...] = field(init=False, repr=False, compare=False)
@@ -378,6 +429,18 @@ class OpSpec:
         """Whether its inputs are always hidden states with a weight (then a key without a hidden
         size does not bound its work)."""
         return self.function is not None and self.form == "hidden"
+
+    def promise(self, hidden: int = 0, features: frozenset = _NO_FEATURES,
+                lowest_vocab: Optional[int] = None) -> Optional[MemoryPromise]:
+        """The memory promise of a call of a key's ``hidden`` bucket and ``features`` whose
+        vocabulary bucket starts at ``lowest_vocab`` (None: not known): the promise for hidden states
+        for an op always given them, or given them here (a hidden bucket, or ``kl_hidden`` among the
+        features); else the one for logits; None if the op makes none there (``from_vocab``)."""
+        given = "hidden" if self.form == "hidden" or hidden or "kl_hidden" in features else "logits"
+        promise = self.memory.get(given)
+        if promise is not None and lowest_vocab is not None and lowest_vocab < promise.from_vocab:
+            return None
+        return promise
 
     @property
     def placed(self) -> Tuple[str, ...]:
@@ -573,6 +636,7 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
             + "; float32 (float64 for float64 logits)",
         dtype_input="logits", grad_inputs=("logits",),
         reference="logprobs", examples=examples_by_name,
+        memory={"logits": NO_COPY},
     ),
     OpSpec(
         name="entropy", function="entropy_from_logits",
@@ -583,6 +647,7 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
             "float32 (float64 for float64 logits) of shape (...)",
         dtype_input="logits", grad_inputs=("logits",),
         reference="entropy", examples=examples_by_name,
+        memory={"logits": NO_COPY},
     ),
     OpSpec(
         name="logprobs_and_entropy", function="logprobs_and_entropy",
@@ -592,6 +657,7 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
         doc="both of the above in one pass; the entropy of an ignored position is computed as usual",
         dtype_input="logits", grad_inputs=("logits",),
         reference="logprobs_and_entropy", examples=examples_by_name,
+        memory={"logits": NO_COPY},
     ),
     OpSpec(
         name="logprobs_from_hidden", function="logprobs_from_hidden",
@@ -610,6 +676,7 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
             "hidden (..., H), weight (V, H), one dtype for hidden, weight and bias",
         dtype_input="hidden", grad_inputs=("hidden", "weight", "bias"),
         reference="logprobs_from_hidden", examples=examples_by_name,
+        memory={"hidden": NO_LOGITS},
     ),
     OpSpec(
         name="topk_logprobs", function="topk_logprobs",
@@ -623,6 +690,7 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
             "ties by smaller id; -inf (and the smallest ids left) where fewer than k tokens are kept",
         dtype_input="logits", grad_inputs=("logits",),
         reference="topk_logprobs", examples=examples_by_name,
+        memory={"logits": NO_COPY},
     ),
     OpSpec(
         name="kl_divergence", function="kl_divergence",
@@ -655,6 +723,7 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
             "student (and student_weight) only: the teacher is a detached target",
         dtype_input="student", grad_inputs=("student", "student_weight"),
         reference="kl_divergence", examples=kl_examples,
+        memory=BOTH_PROMISES,
     ),
     OpSpec(
         name="token_stats", function="token_stats",
@@ -678,6 +747,7 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
             "raw_logprobs and is_argmax; ignore_index positions give 0 / False there)",
         dtype_input="inputs", grad_inputs=("inputs", "weight", "bias"),
         reference="token_stats", examples=stats_examples,
+        memory=BOTH_PROMISES,
     ),
     OpSpec(
         name="shard_stats", function=None,

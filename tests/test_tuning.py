@@ -200,7 +200,9 @@ def test_the_automatic_choice_is_batch_invariant(tmp_path, monkeypatch, tuned):
     without a tuning ranking (selection depends on the vocabulary's bucket, never on the rows)."""
     path = tmp_path / "ranking.json"
     monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", str(path) if tuned else "off")
-    if tuned:  # a ranking that prefers naive for this bucket, the others another order
+    if tuned:  # a ranking that prefers naive for this bucket, the others another order; naive copies the
+        # logits, so only speed over memory lets the ranking choose it
+        monkeypatch.setenv("LOGPROB_REGISTRY_MEMORY", "speed")
         key = cache.key_string("logprobs_and_entropy", "cpu", torch.float32, False, 2048)
         env = lr.get_registry().environment()
         versions = lr.get_registry().versions()
@@ -354,7 +356,7 @@ def test_tune_of_the_fused_op_writes_v_and_h_buckets_and_explain_shows_them(tmp_
     monkeypatch.setenv("LOGPROB_REGISTRY_TUNING", str(path))
     assert main(["tune", "--op", "logprobs_from_hidden", "--dtype", "float32", "--grad", "no", "--vocab", "100",
                  "--hidden", "16,300", "--rows", "4", "--repeat", "1", "--backend", "naive", "--backend",
-                 "chunked"]) == 0
+                 "chunked", "--no-memory"]) == 0  # memory: tests/test_memory_promise.py
     out = capsys.readouterr().out
     assert "logprobs_from_hidden float32 fwd V=100 H=16:" in out and f"wrote 2 keys to {path}" in out
     doc = json.loads(path.read_text())
@@ -363,6 +365,7 @@ def test_tune_of_the_fused_op_writes_v_and_h_buckets_and_explain_shows_them(tmp_
     entry = doc["entries"]["logprobs_from_hidden|cpu|float32|nograd|256|h256"]
     assert set(entry["times"]) == {"naive", "chunked"} and entry["hidden"] == 16 and entry["vocab"] == 100
     fastest = min(entry["times"], key=entry["times"].get)
+    monkeypatch.setenv("LOGPROB_REGISTRY_MEMORY", "speed")  # naive forms the logits: only speed lets it win
     try:
         lr.get_registry().reset()
         assert lr.select("logprobs_from_hidden", device="cpu", shape=(3, 100), hidden_size=16).name == fastest

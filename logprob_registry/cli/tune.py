@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=5, help="timed calls per measurement (default 5)")
     parser.add_argument("--quick", action="store_true",
                         help="fewer calls and row counts: a rough ranking in a minute or two")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="time only: no peak memory measured (each backend's memory verdict is then declared)")
     parser.add_argument("--output", default=None, metavar="PATH",
                         help="ranking file (default: LOGPROB_REGISTRY_TUNING, else "
                              "~/.cache/logprob_registry/tuning.json)")
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     grads = {"both": (False, True), "yes": (True,), "no": (False,)}[args.grad]
     plan = Plan(device=device, ops=ops, dtypes=dtypes, grads=grads, vocabs=_ints(args.vocab, "vocab"),
                 hiddens=_ints(args.hidden, "hidden"), rows=_ints(args.rows, "rows"), backends=args.backend,
-                repeat=args.repeat)
+                repeat=args.repeat, memory=not args.no_memory)
     if args.quick:
         plan.repeat, plan.warmup, plan.quick = 2, 1, True
     print(f"tune: {len(plan.keys())} keys on {device}; writing {path}", file=sys.stderr, flush=True)

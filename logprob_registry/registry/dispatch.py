@@ -50,7 +50,7 @@ from .key import ALWAYS_HIDDEN, Key, key_size
 from .outputs import Expected
 from .outputs import check as check_outputs
 from .plugins import BUILTIN_PLUGINS, PluginSet, error_line
-from .ranking import Verdict, automatic, rank, why_not
+from .ranking import Verdict, automatic, memory_verdicts, promise_of, rank, why_not
 
 ENV_VAR = config.BACKEND.name
 UNTESTED = config.declare(config.Variable(
@@ -64,6 +64,8 @@ UNTESTED = config.declare(config.Variable(
 _forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("logprob_registry_forced", default=None)
 STRICT_VAR = config.STRICT.name
 _strict_text = config.reader(STRICT_VAR)
+MEMORY_VAR = config.MEMORY.name
+_memory_text = config.reader(MEMORY_VAR)  # the speed-over-memory setting: cached choices follow its text
 # lr.strict(): True/False in this thread or task, None where no lr.strict() block is open (then the variable decides)
 _strict: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("logprob_registry_strict", default=None)
 
@@ -129,6 +131,23 @@ def strict_verdicts(verdicts: List[Verdict], backends: List[Backend], key: Key) 
     return out
 
 
+def _memory_notes(key: Key, verdicts: List[Verdict]) -> tuple:
+    """explain's lines on the op's memory promise for ``key``: what it is, and how it decided."""
+    promise = promise_of(key)
+    if promise is None:
+        return ()
+    lines = [f"memory promise of {key.op}: {promise.doc}; memory: each backend's verdict, from "
+             "logprob-registry tune's reading where it has one, else declared (copies_logits breaks it)"]
+    runnable = [v for v in verdicts if v.reason is None and v.broken is None]
+    if config.get(MEMORY_VAR) == "speed":
+        lines.append(f"{MEMORY_VAR}=speed: a backend breaking it is not passed over (speed over memory)")
+    elif runnable and not any(v.keeps for v in runnable):
+        lines.append("no backend that can run this keeps it: the choice is made as without it")
+    elif any(v.keeps is False and v.eligible for v in runnable):
+        lines.append("the backends keeping it are passed over here (why not): the choice is made as without it")
+    return tuple(lines)
+
+
 def _stacklevel() -> int:
     """The stack level of the first frame outside this package (the user's call)."""
     frame, level = sys._getframe(1), 1
@@ -177,13 +196,15 @@ class Registry(PluginSet):
         self._strict_cache: Dict[Key, Backend] = {}  # the automatic choices under strict mode
         self._explicit_ok: Dict[Tuple[str, Key], Backend] = {}
         self._broken: Dict[Key, Dict[str, str]] = {}
-        self._state: Tuple[Any, int] = (None, -1)  # (environment, plugins.generation) the caches are for
+        # (environment, plugins.generation, LOGPROB_REGISTRY_MEMORY's text) the caches are for
+        self._state: Tuple[Any, int, Any] = (None, -1, None)
 
     # --------------------------------------------------------------- state
     def environment(self) -> Environment:
         """The environment in force (the caches follow it: a new one, or a change of the backends, clears them)."""
         env = self._environment()
-        if self._state[0] is not env or self._state[1] != self.generation:
+        state = self._state
+        if state[0] is not env or state[1] != self.generation or state[2] != _memory_text():
             with self._choices_lock:
                 self._cache.clear()
                 self._strict_cache.clear()
@@ -192,7 +213,7 @@ class Registry(PluginSet):
                 for marks in self._broken.values():  # a removed backend's marks go with it
                     for name in [n for n in marks if n not in names]:
                         del marks[name]
-                self._state = (env, self.generation)
+                self._state = (env, self.generation, _memory_text())
         return env
 
     def reset(self) -> None:
@@ -243,7 +264,9 @@ class Registry(PluginSet):
 
     def verdicts(self, key: Key, strict: Optional[bool] = None) -> List[Verdict]:
         """Every backend's verdict for ``key``, best first; under strict mode (``strict``, None: the
-        mode in force) with its verdicts and without broken marks (see the module docstring)."""
+        mode in force) with its verdicts and without broken marks (see the module docstring); then
+        with each one's memory verdict for the op's promise, those breaking it passed over unless
+        ``LOGPROB_REGISTRY_MEMORY=speed`` (:func:`.ranking.memory_verdicts`)."""
         if strict is None:
             strict = strict_in_force()
         env = self.environment()
@@ -252,7 +275,9 @@ class Registry(PluginSet):
         backends = self.backends()
         verdicts = rank(backends, key, env, None if strict else self._broken.get(key), config.get(UNTESTED.name),
                         measured)
-        return strict_verdicts(verdicts, backends, key) if strict else verdicts
+        if strict:
+            verdicts = strict_verdicts(verdicts, backends, key)
+        return memory_verdicts(verdicts, backends, key, measured, config.get(MEMORY_VAR) == "speed")
 
     def select(self, key: Key, backend: Optional[str] = None) -> Backend:
         """The backend that runs ``key``: the explicit choice if any, else the automatic one."""
@@ -272,7 +297,8 @@ class Registry(PluginSet):
 
     def _refuse_strict(self, name: str, source: str, key: Key, missing: List[str]) -> None:
         """Raise: the explicit choice ``name`` lacks promises strict mode needs for ``key``."""
-        promising = [v.name for v in self.verdicts(key, strict=True) if v.reason is None and v.skipped is None]
+        promising = [v.name for v in self.verdicts(key, strict=True)
+                     if v.reason is None and not (v.skipped or "").startswith("strict mode")]
         raise NoEligibleBackendError(
             f"backend {name!r} (chosen by {source}) cannot run {key.describe()} in strict mode "
             f"({strict_source()}): it does not promise {' or '.join(missing)}. Backends that can run it and "
@@ -344,7 +370,8 @@ class Registry(PluginSet):
                          if d.backend in listed and d.concerns(key.device, key.dtype))
         return Explanation(key, marked, chosen, f"{forced} ({source})" if forced else None,
                            tuple(self.failures()), degraded, strict_source() if strict else None,
-                           self._size_notes(key, verdicts, chosen if forced is None else None))
+                           self._size_notes(key, verdicts, chosen if forced is None else None),
+                           _memory_notes(key, verdicts))
 
     def _size_notes(self, key: Key, verdicts: List[Verdict], chosen: Optional[str]) -> tuple:
         """When the key's size is not known (explain or info without a shape), the automatic choice's

@@ -35,6 +35,7 @@ class Explanation:
     degradations: Sequence["Degradation"] = field(default_factory=tuple)
     strict: Optional[str] = None
     notes: Sequence[str] = field(default_factory=tuple)  # what the choice depends on beyond the table
+    memory: Sequence[str] = field(default_factory=tuple)  # the op's memory promise, and how it decided
 
     @property
     def eligible(self) -> List[str]:
@@ -54,18 +55,21 @@ class Explanation:
         if self.strict:
             head += f" (strict mode: {self.strict})"
         timed = any(c.measured is not None for c in self.candidates)
+        memory = any(c.memory for c in self.candidates)
         rows = [
             (c.status, c.name, str(c.priority))
             + ((_ms(c.measured),) if timed else ())
+            + ((c.memory or "-",) if memory else ())
             + (c.origin, c.why)
             for c in self.candidates
         ]
-        header = ("", "backend", "priority") + (("measured",) if timed else ()) + ("from", "why not")
+        header = ("", "backend", "priority") + (("measured",) if timed else ()) + (("memory",) if memory else ()) \
+            + ("from", "why not")
         lines = [head, table(header, rows)]
         if timed:
             lines.append("measured: seconds per call in the tuning ranking (logprob-registry tune); "
                          "it orders the backends it measured, priority the rest")
-        lines += list(self.notes)
+        lines += list(self.notes) + list(self.memory)
         for d in self.degradations:
             lines.append(f"{DEGRADED} {d.describe()}")
         for f in self.failures:

@@ -4,6 +4,7 @@ read its answer, so the table always says what a call does."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Collection, Iterable, List, Mapping, Optional, Protocol, Tuple
 
@@ -13,12 +14,15 @@ from packaging.specifiers import SpecifierSet
 from ..backend import Backend
 from ..dtypes import dtype_name
 from ..environment import Environment, device_label
+from ..opspec import OPS, MemoryPromise
 from .key import Key, bucket_range, describe_bucket, describe_hidden, key_size
 
 
 class Measured(Protocol):
     """A measured ranking of one key, from the registry's ranking source (``tuning.cache.Entry`` is
-    one): seconds per call by backend, and the backends that failed the smoke check, with why."""
+    one): seconds per call by backend, the backends that failed the smoke check, with why, and
+    (optionally, ``memory``) each backend's extra peak bytes beyond the gradients by row count, with
+    ``vocab`` the vocabulary size measured."""
 
     times: Mapping[str, float]
     failed: Mapping[str, str]
@@ -37,6 +41,8 @@ class Verdict:
     transient: bool = False  # its availability check raised: ask again next time, never cache
     skipped: Optional[str] = None  # it can run the key, but the automatic choice passes it over: why
     measured: Optional[float] = None  # seconds per call in the tuning ranking, when measured
+    keeps: Optional[bool] = None  # whether it keeps the op's memory promise for the key (None: no promise applies)
+    memory: str = ""  # its memory verdict in words: "keeps (declared)", "breaks (measured: 2.10x)"
 
     @property
     def eligible(self) -> bool:
@@ -152,3 +158,57 @@ def _below_min_size(backend: Backend, key: Key) -> Optional[str]:
 def automatic(verdicts: List[Verdict]) -> Optional[str]:
     """The name of the automatic choice: the first eligible verdict."""
     return next((v.name for v in verdicts if v.eligible), None)
+
+
+def memory_verdicts(verdicts: List[Verdict], backends: Iterable[Backend], key: Key,
+                    measured: Optional[Measured] = None, speed: bool = False) -> List[Verdict]:
+    """``verdicts`` with each runnable backend's memory verdict for the op's promise at ``key``
+    (``OpSpec.promise``: never the (N, V) logits for hidden states, no (N, V) temporary for logits):
+    measured by ``tune`` (``measured.memory``, two row counts or more) where it was, else declared
+    (``copies_logits`` breaks it). Unless ``speed`` (``LOGPROB_REGISTRY_MEMORY=speed``), a backend
+    that breaks it is passed over whenever one that keeps it is eligible; when none is, nothing
+    changes (the promise cannot be kept here, and the call still runs)."""
+    promise = promise_of(key)
+    if promise is None:
+        return verdicts
+    by_name = {b.name: b for b in backends}
+    memory = getattr(measured, "memory", None) or {}
+    vocab = getattr(measured, "vocab", 0)
+    out = []
+    for v in verdicts:
+        if v.reason is None and v.name in by_name:
+            keeps, label, words = _memory_of(by_name[v.name], promise, memory.get(v.name), vocab)
+            v = dataclasses.replace(v, keeps=keeps, memory=label)
+            if not speed and keeps is False:
+                v = dataclasses.replace(v, skipped=v.skipped or _MEMORY_SKIP.format(op=key.op, promise=promise.name,
+                                                                                 words=words))
+        out.append(v)
+    if not speed and not any(v.eligible for v in out):  # nothing keeps it: as without the promise
+        out = [dataclasses.replace(v, skipped=None) if v.skipped and v.skipped.startswith(_MEMORY_HEAD) else v
+               for v in out]
+    return out
+
+
+_MEMORY_HEAD = "breaks the memory promise"
+_MEMORY_SKIP = (_MEMORY_HEAD + " of {op} ({promise}): {words}; LOGPROB_REGISTRY_MEMORY=speed, or choose it "
+                "explicitly, to use it anyway")
+
+
+def promise_of(key: Key) -> Optional[MemoryPromise]:
+    """The op table's memory promise for ``key`` (``OpSpec.promise``), or None."""
+    spec = OPS.get(key.op)
+    if spec is None:
+        return None
+    return spec.promise(key.hidden, key.features, bucket_range(key.vocab)[0] if key.vocab else None)
+
+
+def _memory_of(backend: Backend, promise: MemoryPromise, measured: Optional[Mapping[str, float]],
+               vocab: int) -> Tuple[bool, str, str]:
+    """``(keeps, label for explain's table, the reason in words)`` of ``backend`` for ``promise``."""
+    if measured:
+        keeps, ratio, words = promise.judge(measured, vocab)
+        if keeps is not None:
+            return keeps, f"{'keeps' if keeps else 'breaks'} (measured: {ratio:.2f}x)", words
+    if backend.copies_logits:
+        return False, "breaks (declared)", "it declares copies_logits (it forms the logits, or a copy of them)"
+    return True, "keeps (declared)", "it does not declare copies_logits (the conformance suite checks its memory)"

@@ -72,13 +72,16 @@ def machine(device: str, device_names: Tuple[str, ...]) -> Dict[str, object]:
 class Entry:
     """One key's measurements: seconds per backend (the geometric mean over the row counts
     measured), per row count, and the backends that failed the smoke check, with the reason;
-    ``vocab`` and ``hidden`` (0: none) are the sizes measured for the key's buckets."""
+    ``vocab`` and ``hidden`` (0: none) are the sizes measured for the key's buckets; ``memory``:
+    per backend, the extra peak bytes of a call beyond the gradients it returns, per row count (what
+    the op's memory promise is judged by, ``opspec.MemoryPromise.judge``)."""
 
     times: Dict[str, float]
     rows: Dict[str, Dict[str, float]] = field(default_factory=dict)
     failed: Dict[str, str] = field(default_factory=dict)
     vocab: int = 0
     hidden: int = 0
+    memory: Dict[str, Dict[str, float]] = field(default_factory=dict)
 
     def order(self) -> List[str]:
         return sorted(self.times, key=lambda name: (self.times[name], name))
@@ -104,7 +107,7 @@ class Ranking:
         if doc.get("format") != FORMAT:
             raise ValueError(f"format {doc.get('format')!r}, expected {FORMAT}")
         entries = {k: Entry(dict(v["times"]), dict(v.get("rows", {})), dict(v.get("failed", {})),
-                            int(v.get("vocab", 0)), int(v.get("hidden", 0)))
+                            int(v.get("vocab", 0)), int(v.get("hidden", 0)), dict(v.get("memory", {})))
                    for k, v in doc["entries"].items()}
         return cls(str(doc["torch"]), dict(doc["machines"]), dict(doc["versions"]), entries,
                    str(doc.get("created", "")))
@@ -136,7 +139,8 @@ class Ranking:
             keep = [n for n in set(e.times) | set(e.failed) if n not in changed]
             entries[k] = Entry({n: t for n, t in e.times.items() if n in keep},
                                {n: r for n, r in e.rows.items() if n in keep},
-                               {n: f for n, f in e.failed.items() if n in keep}, e.vocab, e.hidden)
+                               {n: f for n, f in e.failed.items() if n in keep}, e.vocab, e.hidden,
+                               {n: m for n, m in e.memory.items() if n in keep})
         for k, new in other.entries.items():
             old = entries.get(k)
             if old is None or (old.vocab, old.hidden) != (new.vocab, new.hidden) \
@@ -147,7 +151,7 @@ class Ranking:
             entries[k] = Entry({**{n: t for n, t in old.times.items() if n not in ours}, **new.times},
                                {**{n: r for n, r in old.rows.items() if n not in ours}, **new.rows},
                                {**{n: f for n, f in old.failed.items() if n not in ours}, **new.failed}, new.vocab,
-                               new.hidden)
+                               new.hidden, {**{n: m for n, m in old.memory.items() if n not in ours}, **new.memory})
         machines = {d: m for d, m in self.machines.items() if d not in moved}
         versions = {n: v for n, v in self.versions.items() if n not in changed}
         return Ranking(other.torch, {**machines, **other.machines}, {**versions, **other.versions}, entries,
@@ -158,6 +162,8 @@ def _entry_json(e: Entry) -> dict:
     doc = {"times": e.times, "rows": e.rows, "failed": e.failed, "vocab": e.vocab}
     if e.hidden:
         doc["hidden"] = e.hidden
+    if e.memory:
+        doc["memory"] = e.memory
     return doc
 
 

@@ -12,15 +12,26 @@ with ``hidden_size`` for an op given hidden states), the call is the op's public
 ``backend=`` and the example's options, the smoke check judges by the op's ground truth and the
 accuracy contract (:mod:`logprob_registry.numerics`), and a time is the median of ``bench``'s timing
 engine (:func:`logprob_registry.benchmark.timing.time_calls`) run in this process.
+
+Beside the time, each backend's peak memory is measured at two row counts (:meth:`Plan.memory_rows`:
+the fewest timed and the most affordable), in one child process (:class:`MemoryProbe`) started with glibc's mmap
+threshold pinned (``MALLOC_MMAP_THRESHOLD_=65536``: every large buffer mapped, and unmapped when
+freed) where each call's peak is read from ``VmHWM`` after a reset (:mod:`logprob_registry.benchmark.memory`);
+what is recorded is the extra peak beyond the gradients the call returns, by which selection judges
+the op's memory promise (``opspec.MemoryPromise.judge``).
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,6 +40,7 @@ from ..dtypes import dtype_name
 from ..opspec import OPS
 from ..registry import Key, get_registry
 from ..registry.key import ALWAYS_HIDDEN
+from ..registry.ranking import promise_of
 from .cache import Entry, Ranking, machine, string_of
 
 #: The vocabulary size measured for each bucket (typical sizes: GPT-2, Llama-2, Qwen-2).
@@ -68,6 +80,7 @@ class Plan:
     max_work: int = MAX_WORK
     seed: int = 0
     quick: bool = False  # one row count per vocabulary: the largest that fits max_elements
+    memory: bool = True  # measure each backend's peak memory beside its time (MemoryProbe)
     results: List[Tuple[Key, Entry]] = field(default_factory=list)
 
     def rows_for(self, vocab: int, hidden: Optional[int] = None) -> List[int]:
@@ -79,6 +92,18 @@ class Plan:
             most = min(most, self.max_work // (vocab * hidden))
         fitting = [r for r in sorted(self.rows) if r <= most] or [max(1, most)]
         return fitting[-1:] if self.quick else fitting
+
+    def memory_rows(self, vocab: int, hidden: Optional[int] = None) -> List[int]:
+        """The row counts memory is measured at: the fewest timed, and the most that fit
+        :attr:`max_elements` (logits, and hidden states) and :attr:`max_work`: a promise is judged by
+        how memory grows with the rows, and a workspace capped at a few tiles must not weigh against
+        the logits' growth."""
+        most = self.max_elements // vocab
+        if hidden:
+            most = min(most, self.max_elements // hidden, self.max_work // (vocab * hidden))
+        low = min(self.rows_for(vocab, hidden))
+        most = max(most, 1)
+        return sorted({min(low, max(1, most // 8)), most})
 
     def hiddens_for(self, op: str) -> List[Optional[int]]:
         """The hidden sizes measured for ``op``: :attr:`hiddens` for an op always given hidden
@@ -143,29 +168,123 @@ def time_call(op: str, name: str, rows: int, vocab: int, dtype: torch.dtype, dev
     gradients fresh)."""
     from ..benchmark.timing import synchronizer, time_calls
 
-    spec = OPS[op]
-    example = spec.example((rows, vocab), dtype, device, requires_grad=grad, seed=seed, hidden_size=hidden)
-    public = spec.public()
-    leaves = [x for x in list(example.inputs.values()) + list(example.options.values())
-              if isinstance(x, torch.Tensor) and x.requires_grad]
+    example = OPS[op].example((rows, vocab), dtype, device, requires_grad=grad, seed=seed, hidden_size=hidden)
+    call, leaves = _caller(op, name, example, grad)
 
     def prepare() -> None:
         for leaf in leaves:
             leaf.grad = None
 
-    def call(_: None) -> None:
+    times, _ = time_calls(lambda _: call(), prepare, repeat=repeat, warmup=warmup, sync=synchronizer(device),
+                          release=prepare)
+    return statistics.median(times)
+
+
+def _caller(op: str, name: str, example: Any, grad: bool) -> Tuple[Callable[[], None], List[torch.Tensor]]:
+    """One call of ``op`` through backend ``name`` on ``example`` (with its backward, the sum of its
+    float outputs, when ``grad``), and the leaves whose gradients it makes."""
+    public = OPS[op].public()
+    leaves = [x for x in list(example.inputs.values()) + list(example.options.values())
+              if isinstance(x, torch.Tensor) and x.requires_grad]
+
+    def call() -> None:
         with torch.set_grad_enabled(grad):
             out = public(*example.args, backend=name, **example.options)
             if grad:
                 outs = out if isinstance(out, tuple) else (out,)
                 sum(o.float().sum() for o in outs if o.is_floating_point()).backward()
 
-    times, _ = time_calls(call, prepare, repeat=repeat, warmup=warmup, sync=synchronizer(device), release=prepare)
-    return statistics.median(times)
+    return call, leaves
+
+
+
+
+def memory_job(op: str, name: str, rows: Sequence[int], vocab: int, dtype: str, device: str, grad: bool,
+               seed: int, hidden: Optional[int] = None) -> Dict[str, float]:
+    """In the measuring process: ``{rows: extra peak bytes beyond the gradients}`` of one call of
+    ``name`` (with its backward when ``grad``) at each row count, each after one call to warm up."""
+    from ..benchmark.memory import peak_extra_bytes
+
+    out = {}
+    for n in rows:
+        example = OPS[op].example((n, vocab), getattr(torch, dtype), device, requires_grad=grad, seed=seed,
+                                  hidden_size=hidden)
+        call, leaves = _caller(op, name, example, grad)
+        call()  # warm-up: lazy initialisation, compilation
+        for leaf in leaves:
+            leaf.grad = None
+        _, extra = peak_extra_bytes(call, torch.device(device))
+        grads = sum(leaf.grad.numel() * leaf.grad.element_size() for leaf in leaves if leaf.grad is not None)
+        out[str(n)] = float(max(extra - grads, 0))
+        del example, call, leaves
+    return out
+
+
+def memory_child() -> None:
+    """The measuring process of :class:`MemoryProbe`: one JSON job per line in, one JSON answer
+    per line out (``{"memory": ...}`` or ``{"error": ...}``)."""
+    from ..benchmark.memory import pin_mmap_threshold
+
+    pin_mmap_threshold()
+    for line in sys.stdin:
+        try:
+            answer: Dict[str, Any] = {"memory": memory_job(**json.loads(line))}
+        except Exception as exc:  # reported, never fatal: that backend's memory is then declared
+            answer = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"}
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+
+
+class MemoryProbe:
+    """One child process measuring peak memory for ``tune``, started on first use with
+    ``MALLOC_MMAP_THRESHOLD_=65536`` (so that freed buffers leave the resident set and a peak is the
+    call's own), restarted if it dies (out of memory, say)."""
+
+    def __init__(self) -> None:
+        self._child: Optional[subprocess.Popen] = None
+
+    def measure(self, **job: Any) -> Tuple[Optional[Dict[str, float]], str]:
+        """``(memory, "")`` for one :func:`memory_job`, or ``(None, why not)``."""
+        try:
+            if self._child is None or self._child.poll() is not None:
+                env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+                self._child = subprocess.Popen(
+                    [sys.executable, "-c", "from logprob_registry.tuning.measure import memory_child; memory_child()"],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+            self._child.stdin.write(json.dumps(job) + "\n")
+            self._child.stdin.flush()
+            line = self._child.stdout.readline()
+            while line and not line.startswith("{"):  # a library's own output
+                line = self._child.stdout.readline()
+        except OSError as exc:
+            return None, f"the measuring process failed: {exc}"
+        if not line:
+            self.close()
+            return None, "the measuring process died (out of memory?)"
+        answer = json.loads(line)
+        return answer.get("memory"), answer.get("error", "")
+
+    def close(self) -> None:
+        if self._child is not None:
+            try:
+                self._child.stdin.close()
+                self._child.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self._child.kill()
+            self._child = None
 
 
 def run(plan: Plan, progress: Callable[[str], None] = lambda text: None) -> Ranking:
     """Measure ``plan``; the ranking of every key measured."""
+    probe = MemoryProbe() if plan.memory else None
+    try:
+        return _run(plan, progress, probe)
+    finally:
+        if probe is not None:
+            probe.close()
+
+
+def _run(plan: Plan, progress: Callable[[str], None], probe: Optional[MemoryProbe]) -> Ranking:
     registry = get_registry()
     env = registry.environment()
     versions = registry.versions()
@@ -190,6 +309,14 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda text: None) -> Rank
             entry.rows[name] = per_rows
             entry.times[name] = math.exp(statistics.fmean(math.log(t) for t in per_rows.values()))
             measured_backends.add(name)
+            if probe is not None and promise_of(key) is not None:
+                memory, problem = probe.measure(op=key.op, name=name, rows=plan.memory_rows(vocab, hidden),
+                                                vocab=vocab, dtype=dtype_name(key.dtype), device=key.device,
+                                                grad=key.requires_grad, seed=plan.seed, hidden=hidden)
+                if memory:
+                    entry.memory[name] = memory
+                else:
+                    progress(f"  {name}: memory not measured ({problem}); its declaration stands")
         entries[string_of(key)] = entry
         plan.results.append((key, entry))
         progress(describe(key, entry))
@@ -212,7 +339,20 @@ def describe(key: Key, entry: Entry) -> str:
     parts = [f"{name} {entry.times[name] * 1e3:.3g} ms ({entry.times[name] / best:.2f}x)" for name in order]
     failed = "".join(f"; {name} failed the smoke check" for name in entry.failed)
     kind = f"{key.op} {dtype_name(key.dtype)} {'fwd+bwd' if key.requires_grad else 'fwd'}"
-    return f"{kind} V={entry.vocab}{_h(entry)}: " + ", ".join(parts) + failed
+    return f"{kind} V={entry.vocab}{_h(entry)}: " + ", ".join(parts) + failed + _memory(key, entry)
+
+
+def _memory(key: Key, entry: Entry) -> str:
+    """The memory verdicts measured, for the progress line: "; memory: naive breaks (2.10x), ..."."""
+    promise = promise_of(key)
+    if promise is None or not entry.memory:
+        return ""
+    verdicts = []
+    for name in sorted(entry.memory):
+        keeps, ratio, _ = promise.judge(entry.memory[name], entry.vocab)
+        if keeps is not None:
+            verdicts.append(f"{name} {'keeps' if keeps else 'breaks'} ({ratio:.2f}x)")
+    return f"; memory ({promise.name}, at most {promise.share:g}x): " + ", ".join(verdicts) if verdicts else ""
 
 
 def _h(entry: Entry) -> str:
