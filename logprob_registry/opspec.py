@@ -52,6 +52,9 @@ class TokenStats(NamedTuple):
 LABEL_STATS = frozenset({"logprobs", "raw_logprobs", "is_argmax"})
 
 
+_REFERENCES: Dict[str, Callable[..., Any]] = {}  # a reference= name -> its function in reference.py
+
+
 def check_stat_names(value: Any, context: "Context") -> Tuple[str, ...]:
     """``outputs`` of ``token_stats``: names of :class:`TokenStats` fields, at least one; returned in
     the fields' order, without repeats. Those that need labels need labels."""
@@ -401,9 +404,12 @@ class OpSpec:
             raise ValueError(f"op {self.name!r} has no reference in the op table")
         if callable(self.reference):
             return self.reference
-        from . import reference
+        found = _REFERENCES.get(self.reference)
+        if found is None:  # imported here, once: the reference module imports the op table's neighbours
+            from . import reference
 
-        return getattr(reference, self.reference)
+            found = _REFERENCES[self.reference] = getattr(reference, self.reference)
+        return found
 
     def ground_truth(self, *inputs: Any, dtype: torch.dtype = torch.float64, **options: Any) -> Tuple[Any, ...]:
         """What the op returns for ``inputs`` and ``options``, by the textbook formulas in ``dtype``
