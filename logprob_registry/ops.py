@@ -48,9 +48,10 @@ def run(op: str, given: Mapping[str, Any]) -> Any:
 
 
 def _dtensor():
-    from .distributed import dtensor
-
-    return dtensor
+    module = sys.modules.get("logprob_registry.distributed.dtensor")
+    if module is None:  # imported once, when a process first has DTensor
+        from .distributed import dtensor as module
+    return module
 
 
 def dispatch(call: Call) -> Any:

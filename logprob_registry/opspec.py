@@ -18,6 +18,7 @@ goes only to them. Options without a feature reach every backend of the op.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -382,9 +383,10 @@ class OpSpec:
         size does not bound its work)."""
         return self.function is not None and self.form == "hidden"
 
-    @property
+    @functools.cached_property
     def placed(self) -> Tuple[str, ...]:
-        """The arguments that may be DTensors: its inputs and the options with a placement."""
+        """The arguments that may be DTensors: its inputs and the options with a placement (asked
+        on every call once DTensor is imported: made once)."""
         return self.inputs + tuple(o.name for o in self.options if o.placed)
 
     @property
