@@ -13,6 +13,7 @@ tensors (``select``, ``explain``, ``tune``, the suite, the distributed shard ops
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Iterable, Mapping, NamedTuple, Optional, Tuple, Union
 
@@ -213,6 +214,9 @@ def validate(op: str, given: Mapping[str, Any]) -> Call:
     as one value."""
     spec = get_spec(op)
     config.check()
+    plain = _plain(spec, given)
+    if plain is not None:
+        return plain
     group = given.get("process_group")
     vocab_start = given.get("vocab_start")
     if group is None and vocab_start is not None:
@@ -263,6 +267,88 @@ def validate(op: str, given: Mapping[str, Any]) -> Call:
               hidden_bucket(inputs.hidden) if spec.keyed_by_hidden else 0)
     return Call(op, inputs.tensors, options, sampler, features, needs, key, vocab, given.get("backend"), group,
                 vocab_start)
+
+
+# ------------------------------------------------------------------------------- the plain call
+_PLAIN_RULES: dict = {}
+_PLAIN_KEYS: dict = {}
+_new_call = tuple.__new__  # Call(...) without NamedTuple's Python-level __new__ (every field given)
+
+
+def _plain_rules(spec: OpSpec) -> Optional[Tuple[bool, dict]]:
+    """For an op given logits whose options are the sampler's and temperature (and with labels,
+    ignore_index and inplace_backward): whether it takes labels, and the options of a plain call
+    (their defaults, the sampler's order None); None for any other op."""
+    found = _PLAIN_RULES.get(spec.name)
+    if found is None or found[0] is not spec:
+        names = {o.name for o in spec.options}
+        labels = spec.inputs == ("logits", "labels")
+        simple = {"temperature", "ignore_index", "inplace_backward"} if labels else {"temperature"}
+        fits = (spec.form == "logits" and spec.inputs in (("logits",), ("logits", "labels"))
+                and spec.grad_inputs == ("logits",) and names == simple | set(SAMPLER_NAMES) | {"sampler"}
+                and all(o.default is None for o in spec.options if o.name not in simple))
+        found = _PLAIN_RULES[spec.name] = (spec, (labels, {o.name: o.default for o in spec.options}) if fits else None)
+    return found[1]
+
+
+def _plain(spec: OpSpec, given: Mapping[str, Any]) -> Optional[Call]:
+    """The :class:`Call` of a plain call (logits, and labels of the positions' shape; temperature a
+    float, ignore_index an int or None, inplace_backward a bool; no sampler keyword, logit_scale,
+    process_group or vocab_start; not traced, not in a torch.func transform), made with checks of
+    types and shapes and the labels' range; None for any other call, and for one that a check of
+    :func:`validate` would refuse (which then raises the error that says why). It is the Call the
+    full validation makes (tests/test_call.py compares them): issue #36, a small call near torch."""
+    rules = _plain_rules(spec)
+    get = given.get
+    if rules is None or not (get("softcap") is None and get("top_k") is None and get("top_p") is None
+                             and get("min_p") is None and get("keep") is None and get("logit_scale") is None
+                             and get("process_group") is None and get("vocab_start") is None):
+        return None
+    order = get("sampler")
+    if order is not None and not (order.__class__ is str and order == "vllm"):
+        return None
+    with_labels, options = rules
+    options = dict(options)
+    t = options["temperature"] = get("temperature", 1.0)
+    if t.__class__ is not float or not 0.0 < t < math.inf:
+        return None
+    logits = get("logits")
+    if logits.__class__ is not torch.Tensor or not logits.is_floating_point() or logits.dim() == 0:
+        return None
+    shape = logits.shape
+    vocab = shape[-1]
+    device = logits.device
+    kind = device.type
+    if vocab == 0 or kind == "meta" or v.traced() or v.inside_functorch_transform():
+        return None
+    if with_labels:
+        ignore = options["ignore_index"] = get("ignore_index")
+        inplace = options["inplace_backward"] = get("inplace_backward", False)
+        if ignore is not None and not (ignore.__class__ is int and v.INT64.min <= ignore <= v.INT64.max):
+            return None
+        labels = get("labels")
+        if (not (inplace is False or inplace is True) or labels.__class__ is not torch.Tensor
+                or labels.dtype not in v.LABEL_DTYPES or labels.shape != shape[:-1] or labels.device != device):
+            return None
+        values: Any = ()
+        if kind == "cpu" and labels.numel() <= v.SMALL_LABELS:  # in range: accepted at once (Python's min, max)
+            values = (labels if labels.dim() == 1 else labels.reshape(-1)).tolist()
+            if not values or (min(values) >= 0 and max(values) < vocab):
+                values = None
+        if values is not None:  # the full check: it names a label out of range, and sees ignore_index
+            v.check_label_range(labels, vocab, ignore)
+        inputs: Tuple[Any, ...] = (logits, labels)
+    else:
+        inputs = (logits,)
+    grad = logits.requires_grad and torch.is_grad_enabled()
+    lookup = (spec.name, kind, logits.dtype, grad, vocab)
+    key = _PLAIN_KEYS.get(lookup)
+    if key is None:
+        if len(_PLAIN_KEYS) > 4096:  # a bound for a process that sees many vocabularies
+            _PLAIN_KEYS.clear()
+        key = _PLAIN_KEYS[lookup] = Key(spec.name, kind, logits.dtype, grad, frozenset(), vocab_bucket(vocab), 0)
+    return _new_call(Call, (spec.name, inputs, options, OFF, key.features, (grad,), key, vocab, get("backend"), None,
+                            None))
 
 
 def _option_rules(spec: OpSpec) -> Tuple[Tuple[Option, ...], Tuple[Option, ...]]:

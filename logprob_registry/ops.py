@@ -4,6 +4,7 @@ returns what the backend returned. Their signatures are the public API; their bo
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -21,13 +22,12 @@ if hasattr(torch.library, "custom_op"):  # torch >= 2.4: calls inside torch.comp
 else:  # pragma: no cover - an older torch traces through the registry, with graph breaks
     traced = None
 
-_torch_dist = torch.distributed  # its attribute "tensor" exists once torch.distributed.tensor is imported
-
-
 def _dtensor_imported() -> bool:
     """Whether DTensor exists in this process (imported by someone; torch < 2.5's
-    torch.distributed.tensor holds only ``parallel``, no DTensor)."""
-    return getattr(getattr(_torch_dist, "tensor", None), "DTensor", None) is not None
+    torch.distributed.tensor holds only ``parallel``, no DTensor). Asked of ``sys.modules``: an
+    attribute torch.distributed lacks costs a microsecond (its module ``__getattr__`` raises)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and getattr(module, "DTensor", None) is not None
 
 
 def run(op: str, given: Mapping[str, Any]) -> Any:
@@ -48,9 +48,10 @@ def run(op: str, given: Mapping[str, Any]) -> Any:
 
 
 def _dtensor():
-    from .distributed import dtensor
-
-    return dtensor
+    module = sys.modules.get("logprob_registry.distributed.dtensor")
+    if module is None:  # imported once, when a process first has DTensor
+        from .distributed import dtensor as module
+    return module
 
 
 def dispatch(call: Call) -> Any:

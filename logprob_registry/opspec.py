@@ -18,6 +18,7 @@ goes only to them. Options without a feature reach every backend of the op.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -50,6 +51,9 @@ class TokenStats(NamedTuple):
 
 #: The statistics that need labels.
 LABEL_STATS = frozenset({"logprobs", "raw_logprobs", "is_argmax"})
+
+
+_REFERENCES: Dict[str, Callable[..., Any]] = {}  # a reference= name -> its function in reference.py
 
 
 def check_stat_names(value: Any, context: "Context") -> Tuple[str, ...]:
@@ -442,9 +446,10 @@ class OpSpec:
             return None
         return promise
 
-    @property
+    @functools.cached_property
     def placed(self) -> Tuple[str, ...]:
-        """The arguments that may be DTensors: its inputs and the options with a placement."""
+        """The arguments that may be DTensors: its inputs and the options with a placement (asked
+        on every call once DTensor is imported: made once)."""
         return self.inputs + tuple(o.name for o in self.options if o.placed)
 
     @property
@@ -464,9 +469,12 @@ class OpSpec:
             raise ValueError(f"op {self.name!r} has no reference in the op table")
         if callable(self.reference):
             return self.reference
-        from . import reference
+        found = _REFERENCES.get(self.reference)
+        if found is None:  # imported here, once: the reference module imports the op table's neighbours
+            from . import reference
 
-        return getattr(reference, self.reference)
+            found = _REFERENCES[self.reference] = getattr(reference, self.reference)
+        return found
 
     def ground_truth(self, *inputs: Any, dtype: torch.dtype = torch.float64, **options: Any) -> Tuple[Any, ...]:
         """What the op returns for ``inputs`` and ``options``, by the textbook formulas in ``dtype``

@@ -31,12 +31,18 @@ from .truncation import NEG_INF, divided, kept_tokens, normalise, processed_logi
 
 
 def _prepare(logits: torch.Tensor, temperature, dtype: torch.dtype) -> torch.Tensor:
-    return divided(logits.to(dtype), temperature)
+    return divided(logits if logits.dtype == dtype else logits.to(dtype), temperature)
+
+
+def _unprocessed(softcap, top_k, top_p, min_p, keep) -> bool:
+    """Whether no sampler keyword is given (``not Sampler(...).used``, without building one: the
+    ``naive`` backend runs these functions on every small call)."""
+    return softcap is None and top_k is None and top_p is None and min_p is None and keep is None
 
 
 def _gather(logp: torch.Tensor, labels: torch.Tensor, ignore_index: Optional[int]) -> torch.Tensor:
     """``logp[..., labels]``: labels ``(...)``, or ``(..., K)`` candidates (one more dim than ``(...)``)."""
-    index = labels.long()
+    index = labels if labels.dtype == torch.int64 else labels.long()
     ignored = None
     if ignore_index is not None:
         ignored = index == ignore_index
@@ -126,7 +132,7 @@ def logprobs(
     ``logits_dtype`` (not a keyword of the public logits ops: ``logprobs_from_hidden`` passes its
     own): the dtype of the engine's lm_head, in which the softcap then runs (:func:`softcapped`);
     without a softcap it changes nothing here."""
-    if not Sampler(softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep).used:
+    if _unprocessed(softcap, top_k, top_p, min_p, keep):
         return _gather(_prepare(logits, temperature, dtype).log_softmax(-1), labels, ignore_index)
     d = _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype, sampler)
     return d.gather(labels, ignore_index)
@@ -137,7 +143,7 @@ def entropy(logits: torch.Tensor, *, temperature=1.0, dtype: torch.dtype = torch
             min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None,
             logits_dtype: Optional[torch.dtype] = None, sampler: Optional[str] = None) -> torch.Tensor:
     """Entropy of the processed distribution (over the kept tokens); ``logits_dtype`` as in :func:`logprobs`."""
-    if not Sampler(softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep).used:
+    if _unprocessed(softcap, top_k, top_p, min_p, keep):
         x = _prepare(logits, temperature, dtype)
         return _entropy(x, x.log_softmax(-1))
     return _Processed(logits, temperature, dtype, softcap, top_k, top_p, min_p, keep, logits_dtype, sampler).entropy()
@@ -150,7 +156,7 @@ def logprobs_and_entropy(
     min_p: Optional[float] = None, keep: Optional[torch.Tensor] = None, logits_dtype: Optional[torch.dtype] = None,
     sampler: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    if not Sampler(softcap=softcap, top_k=top_k, top_p=top_p, min_p=min_p, keep=keep).used:
+    if _unprocessed(softcap, top_k, top_p, min_p, keep):
         x = _prepare(logits, temperature, dtype)
         logp = x.log_softmax(-1)
         return _gather(logp, labels, ignore_index), _entropy(x, logp)

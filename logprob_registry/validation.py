@@ -155,13 +155,10 @@ def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: Optional[i
     if labels.numel() == 0 or not values_visible(labels):
         return
     flat = labels.reshape(-1)
-    low, high = torch.aminmax(flat)
-    if int(low) >= 0 and int(high) < vocab:
+    if _in_range(flat, vocab):
         return
-    if ignore_index is not None:  # the out-of-range values may all be the ignored one
-        low, high = torch.aminmax(flat.masked_fill(flat == ignore_index, 0))
-        if int(low) >= 0 and int(high) < vocab:
-            return
+    if ignore_index is not None and _in_range(flat.masked_fill(flat == ignore_index, 0), vocab):
+        return  # the out-of-range values were all the ignored one
     bad = (flat < 0) | (flat >= vocab)
     if ignore_index is not None:
         bad &= flat != ignore_index
@@ -177,6 +174,19 @@ def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: Optional[i
         f"label {value} at position {position} is out of range for a vocabulary of {vocab} "
         f"(valid labels: {allowed}{hint})"
     )
+
+
+#: Up to this many labels on the CPU, their range is read with Python's min and max of ``tolist()``
+#: (a fraction of a microsecond) rather than a reduction kernel and two reads of its results.
+SMALL_LABELS = 64
+
+
+def _in_range(flat: torch.Tensor, vocab: int) -> bool:
+    if flat.device.type == "cpu" and flat.numel() <= SMALL_LABELS:
+        values = flat.tolist()
+        return min(values) >= 0 and max(values) < vocab
+    low, high = torch.aminmax(flat)
+    return int(low) >= 0 and int(high) < vocab
 
 
 def unravel(index: int, shape: torch.Size) -> tuple:

@@ -211,8 +211,7 @@ def test_the_engine_benches_the_fused_op_backward_from_python():
     assert run["input_bytes"]["weight"] == 96 * 16 * 2
     expected = lr.explain("logprobs_from_hidden", device="cpu", dtype=torch.bfloat16, requires_grad=True).eligible
     results = {r["name"]: r for r in run["results"]}
-    torch_rows = {"torch-lce", "torch-lce-chunked"} if hasattr(torch.nn.functional, "linear_cross_entropy") else set()
-    assert set(results) == {"baseline", *expected, *torch_rows} and "chunked" in results
+    assert set(results) == {"baseline", *expected} and "chunked" in results
     for r in results.values():
         assert r["status"] == "ok", r
         assert set(r["max_abs_diff_grads"]) == {"hidden", "weight"}
@@ -504,23 +503,6 @@ def test_the_liger_row_appears_only_where_liger_imports_on_cuda(monkeypatch):
         want = s.spec.ground_truth(*(x.detach().double() for x in ex.args), **s_options)[0]
         assert got.shape == (2, 3) and (got.double() - want).abs().max() < 1e-5
         assert (workload.textbook_kl(ex.inputs, s_options).double() - want).abs().max() < 1e-5
-
-
-@pytest.mark.skipif(not hasattr(torch.nn.functional, "linear_cross_entropy"), reason="torch < 2.13")
-def test_torch_linear_cross_entropy_rows_for_the_fused_op():
-    """``bench --op logprobs_from_hidden`` measures torch's own fused loss beside the baseline, its
-    default and its chunked path, as log-probabilities (minus the loss); only for plain logprobs."""
-    from logprob_registry.benchmark import workload
-
-    s = st.Setting(op="logprobs_from_hidden", device="cpu", dtype="float32", shape=(2, 5, 64), hidden_size=8,
-                   backward=True)
-    assert [n for n, _ in workload.external_methods(s)] == ["torch-lce", "torch-lce-chunked"]
-    assert workload.external_methods(st.Setting(op="logprobs", device="cpu", dtype="float32", shape=(2, 5, 64))) == []
-    ex = s.spec.example(s.shape, torch.float32, "cpu", seed=2, hidden_size=8)
-    want = s.spec.ground_truth(*(x.double() if x.is_floating_point() else x for x in ex.args))[0]
-    for name in ("torch-lce", "torch-lce-chunked"):
-        (got,) = workload.method(s, name)(ex.inputs)
-        assert got.shape == (2, 5) and (got.double() - want).abs().max() < 1e-5, name
 
 
 def test_percent_of_peak_bandwidth_on_an_accelerator(monkeypatch):

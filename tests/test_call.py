@@ -90,3 +90,68 @@ def test_nothing_outside_the_kernels_imports_them():
     scripts = PACKAGE.parent / "scripts"
     offenders += [p.name for p in scripts.glob("*") if p.is_file() and "logprob_registry.kernels" in p.read_text()]
     assert offenders == []
+
+
+PLAIN = [
+    ("logprobs", dict(logits=_logits(8, 128), labels=torch.randint(0, 128, (8,)))),
+    ("logprobs", dict(logits=_logits(2, 3, 50, grad=True), labels=torch.randint(0, 50, (2, 3), dtype=torch.int32),
+                      temperature=0.7, ignore_index=-100, inplace_backward=True, sampler="vllm", backend="naive")),
+    ("logprobs", dict(logits=_logits(5, 300).double()[:, :-1], labels=torch.tensor([0, -100, 7, -100, 298]),
+                      ignore_index=-100)),  # out-of-range values that are all the ignored one
+    ("logprobs", dict(logits=_logits(7), labels=torch.tensor(3))),
+    ("logprobs", dict(logits=_logits(0, 9), labels=torch.zeros(0, dtype=torch.long))),
+    ("logprobs", dict(logits=_logits(9, 10), labels=torch.randint(0, 10, (9, 10)).t()[0])),  # strided labels
+    ("logprobs", dict(logits=_logits(100, 16), labels=torch.randint(0, 16, (100,)))),  # above SMALL_LABELS
+    ("logprobs_and_entropy", dict(logits=_logits(4, 20, grad=True).bfloat16(), labels=torch.randint(0, 20, (4,)))),
+    ("entropy", dict(logits=_logits(3, 4, 11), temperature=2.0)),
+]
+
+
+@pytest.mark.parametrize("op,given", PLAIN, ids=[f"{op}-{i}" for i, (op, _) in enumerate(PLAIN)])
+def test_a_plain_call_is_the_call_the_full_validation_makes(monkeypatch, op, given):
+    """The plain path (no sampler keyword, logit_scale or group: call._plain) makes exactly the
+    Call of the full validation, field by field, with and without gradients."""
+    from logprob_registry import call as call_module
+
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            fast = validate(op, given)
+            assert call_module._plain(call_module.OPS[op], given) is not None
+            with monkeypatch.context() as m:
+                m.setattr(call_module, "_plain", lambda spec, given: None)
+                full = validate(op, given)
+        assert type(fast) is type(full) and fast._fields == full._fields
+        for name, a, b in zip(full._fields, fast, full):
+            if name == "inputs":
+                assert all(x is y for x, y in zip(a, b)) and len(a) == len(b)
+            else:
+                assert a == b and type(a) is type(b), (name, a, b)
+        assert list(fast.options) == list(full.options) and fast.sampler is full.sampler
+
+
+@pytest.mark.parametrize("change", [
+    dict(temperature=1), dict(temperature=torch.tensor(0.5)), dict(ignore_index=torch.tensor(-100)), dict(top_k=0),
+    dict(softcap=30.0), dict(logit_scale=2.0), dict(sampler="hf"), dict(labels=torch.randint(0, 128, (8, 2))),
+    dict(logits=torch.nn.Parameter(torch.randn(8, 128))),
+])
+def test_other_calls_take_the_full_validation(change):
+    from logprob_registry import call as call_module
+
+    given = dict(PLAIN[0][1], **change)
+    assert call_module._plain(call_module.OPS["logprobs"], given) is None
+    validate("logprobs", given)  # each is a valid call
+
+
+@pytest.mark.parametrize("change,error", [
+    (dict(labels=torch.tensor([0, 1, 2, 3, 4, 5, 6, 128])), "label 128 at position \\(7,\\) is out of range"),
+    (dict(labels=torch.tensor([0, 1, 2, 3, -100, 5, 6, -1]), ignore_index=-100), "label -1 at position \\(7,\\)"),
+    (dict(temperature=0.0), "temperature must be finite and > 0"), (dict(temperature=float("nan")), "finite"),
+    (dict(ignore_index=2**63), "does not fit in int64"), (dict(inplace_backward=1), "True or False"),
+    (dict(ignore_index=True), "got a bool"),
+    (dict(labels=torch.zeros(8)), "labels must be int64 or int32"), (dict(labels=torch.zeros(7, dtype=torch.long)),
+                                                                   "labels shape \\(7,\\) does not match"),
+    (dict(logits=torch.zeros(8, 128, dtype=torch.long)), "floating-point"), (dict(vocab_start=3), "without process_group"),
+])
+def test_a_plain_looking_call_with_a_bad_argument_gets_the_full_validations_error(change, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        validate("logprobs", dict(PLAIN[0][1], **change))

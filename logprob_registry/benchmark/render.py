@@ -103,6 +103,9 @@ def render_run(run: dict) -> str:
     ]
     if run.get("automatic_choice"):
         lines.append(f"* the backend a call like this uses here (lr.select): {run['automatic_choice']}")
+    if any(r.get("kind") == "undeclared" for r in run["results"]):
+        lines.append(f"! outside the dtypes the backend declares (--undeclared): its kernel on the validated call, "
+                     f"{s['dtype']} in")
     for r in run["results"]:
         if r["status"] != "ok":
             lines.append(f"FAILED {r['name']}: {r['error']}")

@@ -60,6 +60,7 @@ class Options:
     backward: bool = False
     inplace_backward: bool = False
     backends: Sequence[str] = ()          # default: every eligible backend
+    undeclared: bool = False              # also backends whose only "no" is the dtype they declare
     repeat: int = 5
     rounds: int = 1
     warmup: int = 2
@@ -206,32 +207,39 @@ def check_memory(todo: List[Setting], plugins: Sequence[str], timeout: Optional[
     return name
 
 
-def methods(s: Setting, only: Sequence[str]) -> Tuple[List[dict], object]:
+def methods(s: Setting, only: Sequence[str], undeclared: bool = False) -> Tuple[List[dict], object]:
     """The baseline and every eligible backend of ``s`` (or those in ``only``, each of which must
-    be eligible), and the explanation they come from."""
+    be eligible), and the explanation they come from. ``undeclared``: also the backends that could
+    run ``s`` but for the dtype, which they do not declare (a peer claiming float32 only), named
+    with :data:`~.workload.UNDECLARED` after their name."""
     import logprob_registry as lr
 
     from ..call import key_for
     from ..registry import get_registry
-    from .workload import BASELINE, baseline_description, external_methods
+    from .workload import BASELINE, UNDECLARED, baseline_description, external_methods
 
     # the call's shape: its vocabulary bucket can matter (min_vocab, a tuning ranking); every backend
     # that can run it is measured, also one the automatic choice passes over for this size; the
     # features its options need (kl_divergence's weights: kl_hidden) narrow the backends
     features = s.spec.features_used({n: True for n in s.hidden_weights})
-    expl = get_registry().explain(key_for(s.op, device=s.device_type, dtype=s.torch_dtype,
-                                          requires_grad=s.backward, features=features, vocab=s.logits_shape[-1],
-                                          hidden_size=s.hidden_size))
+    registry = get_registry()
+    expl = registry.explain(key_for(s.op, device=s.device_type, dtype=s.torch_dtype, requires_grad=s.backward,
+                                    features=features, vocab=s.logits_shape[-1], hidden_size=s.hidden_size))
+    backends = {b.name: b for b in lr.backends()}
     names = [c.name for c in expl.candidates if c.reason is None and c.broken is None]
+    beyond = [c.name for c in expl.candidates if undeclared and c.reason is not None
+              and _only_the_dtype(backends[c.name], expl.key, registry.environment())]
     for name in only:
-        if name not in names:
+        if name not in names and name not in beyond:
             try:
                 why = expl[name].reason or expl[name].broken or "not eligible"
             except KeyError as exc:
                 raise BenchError(str(exc).strip("'\"")) from None
-            raise BenchError(f"--backend {name} cannot run {expl.key.describe()}: {why}")
-    names = [n for n in names if n in only] if only else names
-    backends = {b.name: b for b in lr.backends()}
+            hint = ("; --undeclared measures it anyway" if _only_the_dtype(backends[name], expl.key,
+                                                                          registry.environment()) else "")
+            raise BenchError(f"--backend {name} cannot run {expl.key.describe()}: {why}{hint}")
+    if only:
+        names, beyond = [n for n in names if n in only], [n for n in beyond if n in only]
     found = [dict(name=BASELINE, kind="baseline", description=baseline_description(s), priority=None,
                   origin=None, automatic_choice=False)]
     found += [dict(name=n, kind="external", description=doc, priority=None, origin=None, automatic_choice=False)
@@ -240,7 +248,19 @@ def methods(s: Setting, only: Sequence[str]) -> Tuple[List[dict], object]:
         b = backends[n]
         found.append(dict(name=n, kind="backend", description=b.description, priority=b.priority,
                           origin=b.origin, automatic_choice=n == expl.chosen))
+    for n in beyond:
+        b = backends[n]
+        found.append(dict(name=n + UNDECLARED, kind="undeclared", description=f"{b.description} ({expl[n].reason})",
+                          priority=b.priority, origin=b.origin, automatic_choice=False))
     return found, expl
+
+
+def _only_the_dtype(backend, key, env) -> bool:
+    """Whether ``backend`` could run ``key`` but for its dtype: it runs it in a dtype it declares."""
+    from ..registry.ranking import why_not
+
+    return why_not(backend, key, env)[0] is not None and any(
+        why_not(backend, key._replace(dtype=d), env)[0] is None for d in backend.dtypes if d.is_floating_point)
 
 
 def _quiet(text: str, end_line: bool) -> None:
@@ -271,7 +291,7 @@ class Session:
             except ValueError as exc:
                 raise BenchError(str(exc)) from None
             self.device_name = check_memory(todo, self.options.plugins, self.options.timeout, self.progress)
-            self.plan = [(s, *methods(s, self.options.backends)) for s in todo]
+            self.plan = [(s, *methods(s, self.options.backends, self.options.undeclared)) for s in todo]
         except BaseException:
             self.close()
             raise

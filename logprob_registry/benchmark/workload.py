@@ -7,7 +7,8 @@ function, the reference is the op's ground truth (:meth:`~logprob_registry.opspe
 and the baseline reduces the op's logits (given, or ``hidden @ weight.T``) to each of its outputs
 (``kl_divergence``: the log-softmax of both sides' logits, then the sum). Where ``liger_kernel``
 imports and the device is CUDA, ``kl_divergence`` also gets a row for Liger-Kernel's KL loss
-(:data:`EXTERNAL`).
+(:data:`EXTERNAL`). Peers' kernels are measured as the backends of their plugins (plugins/trl,
+plugins/torch-lce), outside the dtypes they declare with ``--undeclared``.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from .settings import REFERENCE_CHUNK_ELEMENTS, Setting
 
 BASELINE = "baseline"
 LIGER = "liger-kl"
-TORCH_LCE = "torch-lce"
-TORCH_LCE_CHUNKED = "torch-lce-chunked"
+#: The mark of a backend measured outside the dtypes it declares (``bench --undeclared``): its name
+#: followed by it is the method's name.
+UNDECLARED = "!"
 
 
 def baseline_description(s: Setting, short: bool = False) -> str:
@@ -92,41 +94,12 @@ def liger_available() -> bool:
         return False
 
 
-def torch_lce_available() -> bool:
-    """Whether this torch has ``torch.nn.functional.linear_cross_entropy`` (torch >= 2.13)."""
-    return hasattr(torch.nn.functional, "linear_cross_entropy")
-
-
-def torch_lce(inputs: Mapping[str, torch.Tensor], options: Mapping[str, Any], chunked: bool = False) -> torch.Tensor:
-    """``-F.linear_cross_entropy(hidden, weight, labels, reduction="none")``: torch's own fused
-    linear + cross-entropy, the first thing a user reaches for; it returns the negative
-    log-likelihood in the inputs' dtype. ``chunked``: its chunked path
-    (``options=torch.nn.LinearCrossEntropyOptions()``), which never holds the ``(N, V)`` logits."""
-    hidden, labels = inputs["hidden"], inputs["labels"]
-    lce_options = torch.nn.LinearCrossEntropyOptions() if chunked else None
-    loss = torch.nn.functional.linear_cross_entropy(
-        hidden.reshape(-1, hidden.shape[-1]), inputs["weight"], labels.reshape(-1), reduction="none",
-        options=lce_options)
-    return -loss.reshape(labels.shape)
-
-
-def _lce_runs(s: Setting) -> bool:
-    """torch's fused loss computes what the op does only for plain log-probabilities of hidden states."""
-    return s.op == "logprobs_from_hidden" and s.outputs == ("logprobs",) and torch_lce_available()
-
-
 #: Methods that are neither a backend nor the baseline: name -> (description, whether it runs a
 #: setting, the call). Liger-Kernel's KL loss, for ``kl_divergence`` on CUDA where it imports.
 EXTERNAL: Dict[str, Tuple[str, Callable[[Setting], bool], Callable[..., torch.Tensor]]] = {
     LIGER: ("Liger-Kernel's LigerKLDIVLoss(reduction='none', log_target=True) on the log_softmax of both "
             "sides (Triton; rows appear only where liger_kernel imports and the device is CUDA)",
             lambda s: "kl" in s.outputs and s.device_type == "cuda" and liger_available(), liger_kl),
-    TORCH_LCE: ("-torch.nn.functional.linear_cross_entropy(hidden, weight, labels, reduction='none'): torch's "
-                "default path, which holds the (N, V) logits; its losses in the inputs' dtype (torch >= 2.13)",
-                _lce_runs, lambda inputs, options: torch_lce(inputs, options)),
-    TORCH_LCE_CHUNKED: ("the same with options=torch.nn.LinearCrossEntropyOptions(): torch's chunked path, "
-                        "without the (N, V) logits", _lce_runs,
-                        lambda inputs, options: torch_lce(inputs, options, chunked=True)),
 }
 
 
@@ -193,11 +166,33 @@ def method(s: Setting, name: str) -> Callable[[Mapping[str, torch.Tensor]], Tupl
     if name in EXTERNAL:
         external = EXTERNAL[name][2]
         return lambda inputs: (external(inputs, options),)
+    if name.endswith(UNDECLARED):
+        return undeclared(s, name[: -len(UNDECLARED)])
     public = spec.public()
 
     def call(inputs: Mapping[str, torch.Tensor]) -> Tuple[torch.Tensor, ...]:
         args, kwargs = _call_args(s, inputs)
         return spec.unpack(public(*args, backend=name, **kwargs), kwargs)  # token_stats: the fields asked
+
+    return call
+
+
+def undeclared(s: Setting, name: str) -> Callable[[Mapping[str, torch.Tensor]], Tuple[torch.Tensor, ...]]:
+    """``f(inputs)`` running backend ``name``'s kernel for ``s.op`` on the validated call
+    (:func:`~logprob_registry.call.validate`, every check a call makes) with the options it
+    receives, without asking the registry whether it accepts the dtype: what a backend declaring
+    only float32 (a peer) does with bf16 inputs, for ``bench --undeclared``."""
+    from ..call import validate
+    from ..registry import get_registry
+
+    spec = s.spec
+    backend = get_registry().get(name)
+    kernel = backend.ops[s.op]
+
+    def call(inputs: Mapping[str, torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+        args, kwargs = _call_args(s, inputs)
+        c = validate(s.op, dict(zip(spec.inputs, args), **kwargs))
+        return spec.unpack(kernel(*c.inputs, **spec.backend_options(backend.features, c.options)), kwargs)
 
     return call
 

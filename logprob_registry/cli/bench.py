@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(each call gets a fresh copy of the logits)")
     parser.add_argument("--backend", action="append", default=[], metavar="NAME",
                         help="measure only these backends (default: every eligible one); the baseline always runs")
+    parser.add_argument("--undeclared", action="store_true",
+                        help="also measure backends whose only 'no' is the input dtype, which they do not declare "
+                             "(peers such as plugins/trl declaring float32 only): their kernel runs on the validated "
+                             "call, and the row's name ends with '!'")
     parser.add_argument("--repeat", type=int, default=5, metavar="N", help="timed calls per method (default 5)")
     parser.add_argument("--rounds", type=int, default=1, metavar="N",
                         help="timing rounds, interleaved across methods so that a busy machine's drift hits "
@@ -95,6 +99,7 @@ def options(args: argparse.Namespace):
     return Options(
         ops=args.op, dtypes=args.dtype, shape=args.shape, preset=args.preset, hidden_size=args.hidden_size,
         sliced=args.slice, backward=args.backward, inplace_backward=args.inplace_backward, backends=args.backend,
+        undeclared=args.undeclared,
         repeat=args.repeat, rounds=args.rounds, warmup=args.warmup, threads=args.threads, plugins=args.plugin,
         timeout=args.timeout, device=args.device, peak_bandwidth=args.peak_bandwidth, outputs=args.outputs,
     )

@@ -43,7 +43,8 @@ def involved(op: str, given: Mapping[str, Any]) -> bool:
     """Whether any argument of a call of ``op``'s public function that may be a DTensor is one (the
     op table's ``OpSpec.placed``; once one is, any other DTensor argument is refused by the plan)."""
     for name in OPS[op].placed:
-        if isinstance(given.get(name), DTensor):
+        value = given.get(name)
+        if value is not None and value.__class__ is not torch.Tensor and isinstance(value, DTensor):
             return True
     return False
 
