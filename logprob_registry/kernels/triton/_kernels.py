@@ -157,10 +157,11 @@ def _forward_kernel(
     m = tl.full([ROWS], float("-inf"), ACC)
     s = tl.zeros([ROWS], ACC)
     t = tl.zeros([ROWS], ACC)
-    if STATS:  # token_stats: sum z, sum exp(2 (z - m)) (rescaled by alpha**2), the first column at the max
-        zs = tl.zeros([ROWS], ACC)
-        q = tl.zeros([ROWS], ACC)
-        first = tl.zeros([ROWS], tl.int64) + lo  # a chunk of nothing but -inf: its first column
+    # token_stats (STATS): sum z, sum exp(2 (z - m)) (rescaled by alpha**2), the first column at the
+    # max (a chunk of nothing but -inf: its first column); defined outside the branch for the loop
+    zs = tl.zeros([ROWS], ACC)
+    q = tl.zeros([ROWS], ACC)
+    first = tl.zeros([ROWS], tl.int64) + lo
     for start in range(0, SPAN, BLOCK):  # SPAN = min(CHUNK, V); the last chunk's tail is masked
         idx = start + cols
         mask = live[:, None] & (idx < hi)[None, :]
