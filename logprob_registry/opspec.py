@@ -653,8 +653,8 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
         name="token_stats", function="token_stats",
         inputs=("inputs", "labels"), optional_inputs=("labels",), form="either",
         options=(Option("weight", None, "(V, H) or None: inputs are hidden states (..., H) whose logits inputs @ "
-                        "weight.T + bias are never formed", feature="stats_hidden", placed="vocab"),
-                 Option("bias", None, "(V,) or None, with weight", feature="stats_hidden", placed="vocab"),
+                        "weight.T + bias are never formed", placed="vocab"),
+                 Option("bias", None, "(V,) or None, with weight", placed="vocab"),
                  Option("outputs", ("logprobs", "entropy"), "tuple of TokenStats field names, in the fields' order",
                         check=check_stat_names),
                  _TEMPERATURE_ROWS, _IGNORE_INDEX) + _SAMPLER,
@@ -828,8 +828,8 @@ FEATURES: Mapping[str, str] = {
                "(temperature, top_p, min_p float32; top_k int64; 0, 1.0 and 0.0 mean off for that row); each row's "
                "result bitwise that of the call with the row's values as numbers",
     "logits_dtype": "logprobs_from_hidden's logits_dtype option: logits rounded to bf16/fp16 before the softmax",
-    "stats_hidden": "token_stats with weight (and bias): inputs are hidden states whose logits inputs @ weight.T + "
-                    "bias are never formed",
+    "stats_hidden": "token_stats given hidden states with their lm_head (the options weight and bias, which every "
+                    "backend of the op receives): the logits inputs @ weight.T + bias are never formed",
     "kl_hidden": "kl_divergence with student_weight / teacher_weight: either side as hidden states whose logits "
                  "are never formed",
     "shard_sampler": "the vocabulary-parallel shard ops with the sampler's processing (softcap, keep, boundary, "

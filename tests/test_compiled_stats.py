@@ -151,7 +151,8 @@ def test_what_compiled_leaves_to_chunked_is_explained(feature, kwargs):
     inputs = torch.randn(3, 7, 16) if "weight" in kw else x
     with pytest.raises(lr.NoEligibleBackendError, match=f"backend .compiled.* does not support {feature}. Eligible here: chunked"):
         lr.token_stats(inputs, y, outputs=FIELDS, ignore_index=-100, backend="compiled", **kw)
-    key = key_for("token_stats", device="cpu", features={feature}, vocab=V, hidden_size=16 if "weight" in kw else None)
+    key = key_for("token_stats", device="cpu", features={feature} - {"stats_hidden"}, vocab=V,
+                  hidden_size=16 if "weight" in kw else None)  # a hidden size: the feature stats_hidden
     verdicts = {v.name: v for v in lr.get_registry().verdicts(key)}
     assert verdicts["compiled"].reason == f"does not support {feature}"
     assert lr.get_registry().select(key).name == "chunked"

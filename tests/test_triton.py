@@ -92,8 +92,9 @@ def test_registration_follows_the_interpreter_setting():
     assert normal.devices == {"cuda"} and normal.priority == 30
     assert interpret.devices == {"cuda", "cpu"} and interpret.priority < 0  # below naive: never automatic
     assert normal.inplace_backward and normal.batch_invariant and normal.deterministic
-    assert set(normal.ops) == {"logprobs", "entropy", "logprobs_and_entropy", "shard_stats", "shard_grad",
-                               "hidden_shard_stats", "hidden_shard_grad"}
+    assert set(normal.ops) == {"logprobs", "entropy", "logprobs_and_entropy", "token_stats", "shard_stats",
+                               "shard_grad", "hidden_shard_stats", "hidden_shard_grad"}
+    assert "stats_hidden" not in normal.features  # token_stats over logits only: hidden states go elsewhere
     assert normal.group_invariant
 
 

@@ -46,7 +46,8 @@ def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_b
     return _ops.apply(logits, labels, temperature, ignore_index, True, True, inplace_backward, softcap)
 
 
-def token_stats(inputs, labels, *, outputs, temperature, ignore_index, softcap=None):
+def token_stats(inputs, labels, *, weight, bias, outputs, temperature, ignore_index, softcap=None):
+    """Logits only: hidden states (a weight) need the feature stats_hidden, which this backend does not declare."""
     return _ops.token_stats(inputs, labels, outputs, temperature, ignore_index, softcap)
 
 

@@ -55,7 +55,8 @@ def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_b
     return _load().logprobs_and_entropy(logits, labels, temperature, ignore_index, inplace_backward, softcap)
 
 
-def token_stats(inputs, labels, *, outputs, temperature, ignore_index, softcap=None):
+def token_stats(inputs, labels, *, weight, bias, outputs, temperature, ignore_index, softcap=None):
+    """Logits only: hidden states (a weight) need the feature stats_hidden, which this backend does not declare."""
     return _load().token_stats(inputs, labels, outputs, temperature, ignore_index, softcap)
 
 
