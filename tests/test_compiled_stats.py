@@ -83,6 +83,11 @@ def test_is_argmax_ties_nan_and_ignored():
     assert not lr.token_stats(x, y2, outputs=("is_argmax",), ignore_index=-100, backend="compiled").is_argmax[0, 0]
     assert not top[1, 2] and not top[2, 4]  # ignored positions: False
     assert torch.equal(top, (x.argmax(-1) == y) & (y != -100))
+    xs, ys = x[:, 1:], y2[:, 1:]  # a tie decided on a strided 3-D view's rows (a later maximum: False)
+    ys[1, 0], ys[2, 1] = 10, 200
+    xs[1, 0, 10] = xs[1, 0, 200] = xs[2, 1, 10] = xs[2, 1, 200] = 50.0
+    sliced = lr.token_stats(xs, ys, outputs=("is_argmax",), ignore_index=-100, backend="compiled").is_argmax
+    assert torch.equal(sliced, (xs.argmax(-1) == ys) & (ys != -100)) and sliced[1, 0] and not sliced[2, 1]
     assert bool(top.view(-1)[::3][(y != -100).view(-1)[::3]].all())  # the labels put on the argmax
 
 

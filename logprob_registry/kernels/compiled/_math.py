@@ -74,23 +74,25 @@ def _fwd_entropy_softcap(x, idx, k: float, cap: float):
 def _stats_math(x, idx, k: float, cap: Optional[float] = None):
     """:func:`_fwd_entropy` (``cap``: :func:`_fwd_entropy_softcap`), the same expressions, plus in the
     same pass the row's sum of the (softcapped) logits (for the mean), the sum of exp2(2 a) (the sum
-    of squared probabilities times s**2) and the first column holding the row's maximum of the logits
-    before any softcap (NaN counts as the largest, as in torch.argmax; softcap and temperature are
-    increasing, so it is the argmax of z, without the ties their rounding could make)."""
+    of squared probabilities times s**2), and for ``is_argmax``, from the logits before any softcap
+    (softcap and temperature are increasing, so their argmax is that of z, without the ties their
+    rounding could make): the row's max, the label's value and how many columns hold that value
+    (a count against a per-row value is far cheaper here than a first-index reduction: the label is
+    the first maximum where it is at the max and alone there; a tie is decided by the caller)."""
     raw = _upcast(x)
     xf = raw if cap is None else _softcap(raw, cap)
     m = xf.amax(-1, keepdim=True)
     top = m if cap is None else raw.amax(-1, keepdim=True)
+    at = raw.gather(-1, idx)
+    same = torch.where(raw == at, 1.0, 0.0).sum(-1, keepdim=True)
     a = (xf - m) * k
     e = torch.exp2(a)
     s = e.sum(-1, keepdim=True)
     u = torch.where(torch.isneginf(xf), 0.0, -e * a).sum(-1, keepdim=True)
     total = xf.sum(-1, keepdim=True)
     q = (e * e).sum(-1, keepdim=True)
-    cols = torch.arange(x.shape[-1], device=x.device)
-    first = torch.where((raw == top) | torch.isnan(raw), cols, x.shape[-1]).amin(-1, keepdim=True)
     picked = x.gather(-1, idx) if cap is None else _softcap(_upcast(x.gather(-1, idx)), cap)
-    return m, s, u, picked, total, q, first
+    return m, s, u, picked, total, q, top, at, same
 
 
 def _fwd_stats(x, idx, k: float):

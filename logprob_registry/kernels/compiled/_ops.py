@@ -75,7 +75,7 @@ class _Forward(NamedTuple):
     log_s: torch.Tensor
     logp: Optional[torch.Tensor]
     entropy: Optional[torch.Tensor]
-    extra: tuple = ()  # token_stats' kernel: the row sums of z, of exp2(2 a), the first column at the max
+    extra: tuple = ()  # token_stats' kernel: sum z, sum exp2(2 a); the raw max, label value, its count
 
 
 def _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy, cap=None, stats=False) -> _Forward:
@@ -322,13 +322,30 @@ def _stats_fields(f: _Forward, want: frozenset, inv_t: float, vocab: int) -> dic
         out["entropy"], out["raw_entropy"] = f.entropy, f.entropy.clone()
     out["max_logit"] = f.m * inv_t
     if f.extra:
-        total, q, first = f.extra
+        total, q, top, at, same = f.extra
         out["mean_logit"] = total * inv_t / vocab
         out["log_sum_p2"] = q.log() - 2.0 * f.log_s
         if "is_argmax" in want:
-            top = first == f.idx
-            out["is_argmax"] = top if f.ignored is None else top & ~f.ignored
+            first = _first_maximum(f.rows, f.idx, top, at, same)
+            out["is_argmax"] = first if f.ignored is None else first & ~f.ignored
     return {k: v for k, v in out.items() if k in want}
+
+
+def _first_maximum(rows, idx, top, at, same) -> torch.Tensor:
+    """Whether each row's label is torch.argmax of its row (the first maximum; NaN the largest): its
+    value ``at`` is the row's max ``top`` and no other column holds it (``same == 1``); the rows
+    where it is at a tied max, or NaN, are decided by torch.argmax on those rows alone (exact ties
+    are rare, and a NaN label rarer)."""
+    first = (at == top) & (same == 1)
+    unsure = ((at == top) & (same > 1)) | torch.isnan(at)
+    if kit.capturing(unsure):  # no row count on the host: every row
+        return torch.where(unsure, rows.argmax(-1, keepdim=True) == idx, first)
+    if bool(unsure.any()):
+        where = unsure.reshape(-1).nonzero().squeeze(-1)
+        picked = rows[torch.unravel_index(where, tuple(rows.shape[:-1]))]  # those rows only, (k, V)
+        hit = picked.argmax(-1) == idx.reshape(-1).index_select(0, where)
+        first = first.reshape(-1).index_put((where,), hit).view(first.shape)
+    return first
 
 
 def _stats_forward(logits, labels, inv_t, ignore_index, want: frozenset, cap) -> _Forward:
