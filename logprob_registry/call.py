@@ -31,6 +31,8 @@ _DEVICE_TYPE = re.compile(r"^([a-z][a-z0-9_]*)(:\d+)?$")
 _FUNCTORCH = frozenset({"functorch"})
 _CANDIDATES = frozenset({"candidates"})
 _PER_ROW = frozenset({PER_ROW})
+#: The feature of an op of the form "either" given hidden states with their weight (token_stats').
+_HIDDEN_INPUTS = frozenset({"stats_hidden"})
 
 
 def _ordered(sampler: Sampler) -> bool:
@@ -46,8 +48,11 @@ def key_for(op: str, *, device: Union[str, torch.device, None] = None, dtype: Op
     float32), with or without a backward, using ``features``, over a vocabulary of ``vocab`` columns
     (None: not known; only its bucket matters) and, for an op given hidden states
     (``logprobs_from_hidden``, ``kl_divergence`` with a ``*_weight``), of ``hidden_size`` (None: not
-    known; only its bucket matters, and only for those ops: other ops' keys never hold one)."""
-    get_spec(op)
+    known; only its bucket matters, and only for those ops: other ops' keys never hold one). For an
+    op given logits or hidden states (``token_stats``), a ``hidden_size`` means hidden states: the
+    key needs their feature (``stats_hidden``)."""
+    if get_spec(op).form == "either" and hidden_size is not None:
+        features = frozenset(features) | _HIDDEN_INPUTS
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
     if device is None:
@@ -257,6 +262,8 @@ def validate(op: str, given: Mapping[str, Any]) -> Call:
             features = features | {option.feature}
     if inputs.labels is not None and v.has_candidates(inputs.labels, on):
         features = features | _CANDIDATES
+    if spec.form == "either" and options.get("weight") is not None:  # hidden states, the logits never formed
+        features = features | _HIDDEN_INPUTS
     if v.inside_functorch_transform():
         features = features | _FUNCTORCH
     grad_on = torch.is_grad_enabled()

@@ -38,7 +38,9 @@ def register_backends(register: Callable[..., None]) -> None:
     (``Backend(features={...})``, see ``opspec.FEATURES``): ``softcap``, ``top_k``, ``top_p``,
     ``min_p``, ``keep`` (the sampler's processing), ``logits_dtype`` (the fused op),
     ``student_weight`` and ``teacher_weight`` (``kl_hidden``) and ``support`` (``kl_support``) then
-    come as keywords too; ``candidates`` means labels of shape ``(..., K)``; ``functorch`` means its ops
+    come as keywords too; ``candidates`` means labels of shape ``(..., K)``; ``stats_hidden``,
+    ``token_stats`` given hidden states (its ``weight``, which every backend of it receives, not None);
+    ``functorch`` means its ops
     work inside ``torch.func`` transforms. The ``*shard_*`` ops are one rank's work for calls with
     ``process_group=``, called by :mod:`logprob_registry.distributed` on a vocabulary shard
     (docs/distributed.md).

@@ -930,6 +930,8 @@ FEATURES: Mapping[str, str] = {
                "(temperature, top_p, min_p float32; top_k int64; 0, 1.0 and 0.0 mean off for that row); each row's "
                "result bitwise that of the call with the row's values as numbers",
     "logits_dtype": "logprobs_from_hidden's logits_dtype option: logits rounded to bf16/fp16 before the softmax",
+    "stats_hidden": "token_stats given hidden states with their lm_head (the options weight and bias, which every "
+                    "backend of the op receives): the logits inputs @ weight.T + bias are never formed",
     "kl_hidden": "kl_divergence with student_weight / teacher_weight: either side as hidden states whose logits "
                  "are never formed",
     "shard_sampler": "the vocabulary-parallel shard ops with the sampler's processing (softcap, keep, boundary, "

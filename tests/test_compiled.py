@@ -86,7 +86,7 @@ def test_registered_with_priority_20_and_in_place_backward():
     # promised, so the conformance suite checks each (batch invariance, no copy of the logits)
     assert backend.inplace_backward and backend.deterministic and backend.batch_invariant
     assert not backend.copies_logits
-    assert set(backend.ops) == {"logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden",
+    assert set(backend.ops) == {"logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden", "token_stats",
                                 "shard_stats", "shard_grad", "hidden_shard_stats", "hidden_shard_grad"}
 
 

@@ -69,7 +69,7 @@ if not INTERPRETED:
     def test_kernels_compile_for_gpus():
         proc = _run([sys.executable, "-c", COMPILE_SCRIPT], False)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-        assert "compiled 26 kernels for cuda sm_90 and 8 for hip gfx942" in proc.stdout, proc.stdout
+        assert "compiled 38 kernels for cuda sm_90 and 8 for hip gfx942" in proc.stdout, proc.stdout
 
     def test_cpu_tensors_refused_without_the_interpreter():
         verdict = lr.explain("logprobs", device="cpu")["triton"]
@@ -92,8 +92,9 @@ def test_registration_follows_the_interpreter_setting():
     assert normal.devices == {"cuda"} and normal.priority == 30
     assert interpret.devices == {"cuda", "cpu"} and interpret.priority < 0  # below naive: never automatic
     assert normal.inplace_backward and normal.batch_invariant and normal.deterministic
-    assert set(normal.ops) == {"logprobs", "entropy", "logprobs_and_entropy", "shard_stats", "shard_grad",
-                               "hidden_shard_stats", "hidden_shard_grad"}
+    assert set(normal.ops) == {"logprobs", "entropy", "logprobs_and_entropy", "token_stats", "shard_stats",
+                               "shard_grad", "hidden_shard_stats", "hidden_shard_grad"}
+    assert "stats_hidden" not in normal.features  # token_stats over logits only: hidden states go elsewhere
     assert normal.group_invariant
 
 
@@ -135,14 +136,20 @@ jobs = []
 for x, acc in (("bf16", "fp32"), ("fp16", "fp32"), ("fp32", "fp32"), ("fp64", "fp64")):
     ACC = tl.float64 if acc == "fp64" else tl.float32
     ptrs = {n: "*" + acc for n in ("lp_ptr", "ent_ptr", "m_ptr", "ls_ptr", "pm_ptr", "ps_ptr", "pt_ptr",
-                                   "glp_ptr", "gent_ptr")}
+                                   "glp_ptr", "gent_ptr", "zs_ptr", "q_ptr", "pz_ptr", "pq_ptr")}
     ptrs.update(x_ptr="*" + x, g_ptr="*" + x, lab_ptr="*i64", t_hi="fp32", t_lo="fp32",
-                xs0="i64", xs1="i64", ignore_index="i64")
+                xs0="i64", xs1="i64", ignore_index="i64", f_ptr="*i64", pf_ptr="*i64")
     block = 2048 if acc == "fp64" else 4096
     for split, rows in ((False, 1), (True, 1), (False, 4)):
-        c = dict(ROWS=rows, BLOCK=block // rows, ACC=ACC, SPLIT=split, LABELS=True, IGNORE=True, ENTROPY=True)
+        c = dict(ROWS=rows, BLOCK=block // rows, ACC=ACC, SPLIT=split, LABELS=True, IGNORE=True, ENTROPY=True,
+                 STATS=False)
         jobs.append((k._forward_kernel, ptrs, c, 8))
-    c = dict(ROWS=256, PARTS=16, ACC=ACC, LABELS=True, IGNORE=True, ENTROPY=True)
+    c = dict(ROWS=256, PARTS=16, ACC=ACC, LABELS=True, IGNORE=True, ENTROPY=True, STATS=False)
+    jobs.append((k._combine_kernel, ptrs, c, 8))
+    for split in (False, True):  # token_stats' STATS branch
+        c = dict(ROWS=1, BLOCK=block, ACC=ACC, SPLIT=split, LABELS=True, IGNORE=True, ENTROPY=True, STATS=True)
+        jobs.append((k._forward_kernel, ptrs, c, 8))
+    c = dict(ROWS=256, PARTS=16, ACC=ACC, LABELS=True, IGNORE=True, ENTROPY=True, STATS=True)
     jobs.append((k._combine_kernel, ptrs, c, 8))
 hip_jobs = list(jobs)
 for x, acc in (("bf16", "fp32"), ("fp32", "fp32"), ("fp64", "fp64")):
@@ -156,7 +163,8 @@ ptrs = {n: "*fp32" for n in ("lp_ptr", "ent_ptr", "m_ptr", "ls_ptr", "pm_ptr", "
                               "glp_ptr", "gent_ptr", "x_ptr", "g_ptr")}
 ptrs.update(lab_ptr="*i64", t_hi="fp32", t_lo="fp32")
 for labels, ignore, entropy in ((True, False, False), (False, False, True)):  # the other constexpr branches
-    c = dict(ROWS=1, BLOCK=1024, ACC=tl.float32, SPLIT=False, LABELS=labels, IGNORE=ignore, ENTROPY=entropy)
+    c = dict(ROWS=1, BLOCK=1024, ACC=tl.float32, SPLIT=False, LABELS=labels, IGNORE=ignore, ENTROPY=entropy,
+             STATS=False)
     jobs.append((k._forward_kernel, ptrs, c, 2))
 for grad_lp, grad_ent in ((True, False), (False, True)):
     c = dict(ROWS=1, BLOCK=1024, ACC=tl.float32, IGNORE=False, GRAD_LP=grad_lp, GRAD_ENT=grad_ent)
@@ -477,3 +485,68 @@ if INTERPRETED:
         monkeypatch.setattr(K, "INTERPRETED", False)
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
             K.logprobs(torch.randn(2, 3), torch.tensor([0, 1]), 1.0, None, False)
+
+    # --------------------------------------------------------------------------------- token_stats
+    STATS = lr.TokenStats._fields
+
+    def _stats_case(shape, vocab, dtype, seed):
+        """Logits with a masked column, every third label on its row's argmax, one ignored (-100)."""
+        logits, labels = _inputs(shape, vocab, dtype, seed=seed)
+        logits[..., 5] = float("-inf")
+        labels.view(-1)[::3] = logits.double().argmax(-1).view(-1)[::3]
+        labels.view(-1)[1] = -100
+        return logits, labels
+
+    @pytest.mark.parametrize("block, chunk", [(64, 256), (32, 64), (None, None)])  # split and combined, or not
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+    @pytest.mark.parametrize("softcap", [None, 12.0])
+    def test_token_stats(block, chunk, dtype, softcap):
+        """Every field in the forward kernel's pass: logprobs and entropy bitwise triton's
+        logprobs_from_logits / logprobs_and_entropy (all fields or a subset), the others against
+        float64; raw = processed without truncation."""
+        K.TUNING.update(block=block, chunk=chunk)
+        logits, labels = _stats_case((2, 3), 700, dtype, seed=20)
+        kw = dict(temperature=0.8, ignore_index=-100, softcap=softcap)
+        got = lr.token_stats(logits, labels, outputs=STATS, backend="triton", **kw)
+        lp = lr.logprobs_from_logits(logits, labels, backend="triton", **kw)
+        _, ent = lr.logprobs_and_entropy(logits, labels, backend="triton", **kw)
+        assert torch.equal(got.logprobs, lp) and torch.equal(got.entropy, ent)
+        assert torch.equal(got.raw_logprobs, lp) and torch.equal(got.raw_entropy, ent)
+        some = lr.token_stats(logits, labels, outputs=("logprobs", "is_argmax"), backend="triton", **kw)
+        assert torch.equal(some.logprobs, lp) and torch.equal(some.is_argmax, got.is_argmax)
+        assert some.entropy is None and some.mean_logit is None
+        want = dict(zip(STATS, lr.opspec.OPS["token_stats"].ground_truth(logits.double(), labels, outputs=STATS, **kw)))
+        for name in ("log_sum_p2", "mean_logit", "max_logit"):
+            _close(getattr(got, name), want[name], dtype, scale=4.0)
+        assert torch.equal(got.is_argmax, want["is_argmax"])
+        assert bool(got.is_argmax.view(-1)[::3].all()) and not bool(got.is_argmax.view(-1)[1])
+
+    def test_token_stats_gradient_ties_and_no_labels():
+        """The four differentiable fields' gradient is the ops' kernel's with the summed upstream
+        gradients (bitwise); an exact tie goes to the first maximum, also across chunks; without
+        labels, the label-free fields."""
+        K.TUNING.update(block=32, chunk=64)
+        logits, labels = _stats_case((4,), 300, torch.float32, seed=21)
+        up = torch.linspace(-1, 1, 4)
+        x = logits.clone().requires_grad_(True)
+        got = lr.token_stats(x, labels, outputs=STATS, ignore_index=-100, backend="triton")
+        assert all(getattr(got, n).grad_fn is None for n in ("log_sum_p2", "mean_logit", "max_logit", "is_argmax"))
+        finite = torch.isfinite(got.logprobs)
+        loss = (torch.where(finite, got.logprobs + 2 * got.raw_logprobs, 0.0) * up + got.entropy - got.raw_entropy * up)
+        (grad,) = torch.autograd.grad(loss.sum(), x)
+        y = logits.clone().requires_grad_(True)
+        lp, ent = lr.logprobs_and_entropy(y, labels, ignore_index=-100, backend="triton")
+        (want,) = torch.autograd.grad((torch.where(finite, 3 * lp, 0.0) * up + ent * (1 - up)).sum(), y)
+        assert torch.equal(grad, want)
+        tied = logits.clone()
+        tied[:, 40] = tied[:, 250] = tied.amax(-1) + 1.0  # in different chunks of 64
+        tied[1, 20] = tied[1, 40]  # the same chunk, an earlier block
+        first = torch.tensor([40, 20, 40, 40])
+        assert bool(lr.token_stats(tied, first, outputs=("is_argmax",), backend="triton").is_argmax.all())
+        assert not bool(lr.token_stats(tied, torch.full((4,), 250), outputs=("is_argmax",),
+                                       backend="triton").is_argmax.any())
+        free = ("entropy", "log_sum_p2", "mean_logit", "max_logit")
+        got = lr.token_stats(logits, None, outputs=free, backend="triton")
+        want = lr.token_stats(logits, None, outputs=free, backend="naive")
+        for name in free:
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=2e-5)

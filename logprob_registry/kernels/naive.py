@@ -410,7 +410,7 @@ def register_backends(register):
         batch_invariant=True,
         copies_logits=True,
         features={"functorch", "candidates", "softcap", "top_k", "top_p", "min_p", "keep", "logits_dtype",
-                  "kl_hidden", "kl_support", "kl_jsd", "shard_sampler", "per_row", "sampler"},
+                  "kl_hidden", "kl_support", "kl_jsd", "stats_hidden", "shard_sampler", "per_row", "sampler"},
         description="log_softmax + gather in float32; materialises the logits in float32; every feature, "
                     "as the reference defines it",
     ))

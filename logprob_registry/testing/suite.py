@@ -67,7 +67,7 @@ def not_declared(backend: Backend, test: str, params: dict, cls: Optional[type] 
     flag, wanted = declared.capability, declared.declared
     if flag is not None and wanted is not None and bool(getattr(backend, flag)) != wanted:
         return f"{backend.name} declares {flag}={not wanted}"
-    missing = [f for f in declared.features if f not in backend.features]
+    missing = [f for f in declared.features_for(params) if f not in backend.features]
     if missing:
         return f"{backend.name} does not declare feature {', '.join(missing)}"
     return None

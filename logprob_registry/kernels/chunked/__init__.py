@@ -267,7 +267,7 @@ def register_backends(register):
         batch_invariant=True,
         deterministic=True,
         features={"candidates", "softcap", "top_k", "top_p", "min_p", "keep", "logits_dtype", "kl_hidden",
-                  "kl_support", "kl_jsd", "shard_sampler", "per_row", "sampler"},
+                  "kl_support", "kl_jsd", "stats_hidden", "shard_sampler", "per_row", "sampler"},
         group_invariant=True,
         memory="two fp32 chunk buffers within the workspace budget (8 MiB by default) and a few "
                "floats per row; backward: the gradient, none with inplace_backward",

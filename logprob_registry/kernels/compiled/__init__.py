@@ -30,7 +30,8 @@ from . import _aot, _hidden, _kernels, _ops, _shards
 from ._kernels import INDUCTOR_OPTIONS, KERNELS, RECOMPILE_LIMIT, TORCH_SPEC, CompileError, compile_counts
 
 __all__ = ["INDUCTOR_OPTIONS", "KERNELS", "RECOMPILE_LIMIT", "TORCH_SPEC", "CompileError", "available",
-           "compile_counts", "degradations", "entropy", "logprobs", "logprobs_and_entropy", "reset"]
+           "compile_counts", "degradations", "entropy", "logprobs", "logprobs_and_entropy", "reset",
+           "token_stats"]
 
 
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward, softcap=None):
@@ -43,6 +44,11 @@ def entropy(logits, *, temperature, softcap=None):
 
 def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_backward, softcap=None):
     return _ops.apply(logits, labels, temperature, ignore_index, True, True, inplace_backward, softcap)
+
+
+def token_stats(inputs, labels, *, weight, bias, outputs, temperature, ignore_index, softcap=None):
+    """Logits only: hidden states (a weight) need the feature stats_hidden, which this backend does not declare."""
+    return _ops.token_stats(inputs, labels, outputs, temperature, ignore_index, softcap)
 
 
 def reset() -> None:
@@ -133,7 +139,7 @@ def register_backends(register):
     register(lr.Backend(
         name="compiled",
         ops={"logprobs": logprobs, "entropy": entropy, "logprobs_and_entropy": logprobs_and_entropy,
-             "logprobs_from_hidden": _hidden.logprobs_from_hidden,
+             "logprobs_from_hidden": _hidden.logprobs_from_hidden, "token_stats": token_stats,
              "shard_stats": _shards.shard_stats, "shard_grad": _shards.shard_grad,
              "hidden_shard_stats": _shards.hidden_shard_stats, "hidden_shard_grad": _shards.hidden_shard_grad},
         devices={"cpu", "cuda"},

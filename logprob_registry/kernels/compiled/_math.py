@@ -71,6 +71,39 @@ def _fwd_entropy_softcap(x, idx, k: float, cap: float):
     return m, s, u, _softcap(_upcast(x.gather(-1, idx)), cap)
 
 
+def _stats_math(x, idx, k: float, cap: Optional[float] = None):
+    """:func:`_fwd_entropy` (``cap``: :func:`_fwd_entropy_softcap`), the same expressions, plus in the
+    same pass the row's sum of the (softcapped) logits (for the mean), the sum of exp2(2 a) (the sum
+    of squared probabilities times s**2), and for ``is_argmax``, from the logits before any softcap
+    (softcap and temperature are increasing, so their argmax is that of z, without the ties their
+    rounding could make): the row's max, the label's value and how many columns hold that value
+    (a count against a per-row value is far cheaper here than a first-index reduction: the label is
+    the first maximum where it is at the max and alone there; a tie is decided by the caller)."""
+    raw = _upcast(x)
+    xf = raw if cap is None else _softcap(raw, cap)
+    m = xf.amax(-1, keepdim=True)
+    top = m if cap is None else raw.amax(-1, keepdim=True)
+    at = raw.gather(-1, idx)
+    same = torch.where(raw == at, 1.0, 0.0).sum(-1, keepdim=True)
+    a = (xf - m) * k
+    e = torch.exp2(a)
+    s = e.sum(-1, keepdim=True)
+    u = torch.where(torch.isneginf(xf), 0.0, -e * a).sum(-1, keepdim=True)
+    total = xf.sum(-1, keepdim=True)
+    q = (e * e).sum(-1, keepdim=True)
+    picked = x.gather(-1, idx) if cap is None else _softcap(_upcast(x.gather(-1, idx)), cap)
+    return m, s, u, picked, total, q, top, at, same
+
+
+def _fwd_stats(x, idx, k: float):
+    """token_stats' forward: see :func:`_stats_math`."""
+    return _stats_math(x, idx, k)
+
+
+def _fwd_stats_softcap(x, idx, k: float, cap: float):
+    return _stats_math(x, idx, k, cap)
+
+
 def _grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float, cap: Optional[float] = None):
     """d/dx of g_lp * logp[idx] + g_ent * entropy, in x's dtype (g_lp is 0 where ignored). The terms
     of an op's missing output are skipped (``g_lp`` or ``g_ent`` None): lean for ``logprobs``. With
@@ -169,6 +202,7 @@ def _bwd_inplace_softcap(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: flo
 
 KERNELS: Dict[str, Callable] = {
     f.__name__.lstrip("_"): f for f in (_fwd_logprobs, _fwd_entropy, _bwd, _bwd_inplace, _fwd_logprobs_softcap,
-                                        _fwd_entropy_softcap, _bwd_softcap, _bwd_inplace_softcap, _tile_stats,
+                                        _fwd_entropy_softcap, _bwd_softcap, _bwd_inplace_softcap, _fwd_stats,
+                                        _fwd_stats_softcap, _tile_stats,
                                         _tile_stats_entropy, _tile_stats_ref, _tile_stats_entropy_ref)
 }

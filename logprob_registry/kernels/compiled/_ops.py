@@ -75,9 +75,12 @@ class _Forward(NamedTuple):
     log_s: torch.Tensor
     logp: Optional[torch.Tensor]
     entropy: Optional[torch.Tensor]
+    extra: tuple = ()  # token_stats' kernel: sum z, sum exp2(2 a); the raw max, label value, its count
 
 
-def _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy, cap=None) -> _Forward:
+def _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy, cap=None, stats=False) -> _Forward:
+    """The forward kernel's statistics and the outputs asked; ``stats``: token_stats' kernel, the
+    entropy's statistics by the same expressions plus its extra sums (:func:`._math._stats_math`)."""
     rows = _rows(logits)
     lead = rows.shape[:-1] + (1,)
     ignored = None
@@ -91,7 +94,10 @@ def _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy, cap=N
     k = inv_t * LOG2E
     extra = () if cap is None else (cap,)
     suffix = "" if cap is None else "_softcap"
-    if want_entropy:
+    more = ()
+    if stats:
+        m, s, u, picked, *more = _row_stats("fwd_stats" + suffix, rows, idx, k, *extra)
+    elif want_entropy:
         m, s, u, picked = _row_stats("fwd_entropy" + suffix, rows, idx, k, *extra)
     else:
         m, s, picked = (_active_row_stats("fwd_logprobs" + suffix, rows, idx, ignored, k, *extra)
@@ -104,7 +110,7 @@ def _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy, cap=N
             logp = logp.masked_fill(ignored, 0.0)
     if want_entropy:
         entropy = log_s + u * LN2 / s
-    return _Forward(rows, idx, ignored, m, log_s, logp, entropy)
+    return _Forward(rows, idx, ignored, m, log_s, logp, entropy, tuple(more))
 
 
 def _row_stats(name: str, rows: torch.Tensor, idx: torch.Tensor, k: float, *extra) -> tuple:
@@ -281,6 +287,28 @@ def _reference_outputs(logits, idx, ignored, inv_t, want_logp, want_entropy, cap
     return tuple(outs) if want_logp else (None,) + tuple(outs)
 
 
+def _backward(ctx, g_lp, g_ent) -> Optional[torch.Tensor]:
+    """The gradient to the logits of ``g_lp * logprobs + g_ent * entropy`` (either None) from what the
+    forward saved: the compiled one-pass kernel (rows of zero upstream gradients skipped), or under
+    ``create_graph=True`` a gradient autograd can differentiate again."""
+    inv_t, want_logp, want_entropy, inplace, cap = ctx.options
+    logits, idx, ignored, m, log_s, h = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
+        outputs = lambda: _reference_outputs(logits, idx, ignored, inv_t, want_logp, want_entropy, cap)
+        return second_order_gradient(outputs, (logits,), (g_lp, g_ent))[0]
+    rows = _rows(logits)
+    want = (want_logp, want_entropy)
+    args = _grad_args(want, idx, ignored, m, log_s, h, g_lp, g_ent, inv_t, cap)
+    skipped = _on_active_rows(rows, want, args, inplace)
+    if skipped is not None:
+        return logits.detach() if inplace else skipped.view(logits.shape)
+    if inplace:
+        for index, plane in _planes(rows):
+            _grad(plane, want, _take(args, index), inplace=True)
+        return logits.detach()  # a fresh alias: autograd keeps it as .grad without a copy
+    return _grad(rows, want, args, inplace=False).view(logits.shape)
+
+
 class _LogSoftmaxOps(torch.autograd.Function):
     """Log-probabilities and/or entropy of logits, backward through the compiled gradient kernel."""
 
@@ -296,27 +324,115 @@ class _LogSoftmaxOps(torch.autograd.Function):
     @staticmethod
     @backward_without_autocast
     def backward(ctx, *grads):
-        inv_t, want_logp, want_entropy, inplace, cap = ctx.options
-        logits, idx, ignored, m, log_s, h = ctx.saved_tensors
+        _, want_logp, want_entropy, _, _ = ctx.options
         g_lp = grads[0] if want_logp else None
         g_ent = grads[-1] if want_entropy else None
-        if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
-            outputs = lambda: _reference_outputs(logits, idx, ignored, inv_t, want_logp, want_entropy, cap)
-            return second_order_gradient(outputs, (logits,), (g_lp, g_ent)) + (None,) * 7
-        rows = _rows(logits)
-        want = (want_logp, want_entropy)
-        args = _grad_args(want, idx, ignored, m, log_s, h, g_lp, g_ent, inv_t, cap)
-        skipped = _on_active_rows(rows, want, args, inplace)
-        if skipped is not None:
-            grad = logits.detach() if inplace else skipped.view(logits.shape)
-            return grad, None, None, None, None, None, None, None
-        if inplace:
-            for index, plane in _planes(rows):
-                _grad(plane, want, _take(args, index), inplace=True)
-            grad = logits.detach()  # a fresh alias: autograd keeps it as .grad without a copy
-        else:
-            grad = _grad(rows, want, args, inplace=False).view(logits.shape)
-        return grad, None, None, None, None, None, None, None
+        return (_backward(ctx, g_lp, g_ent),) + (None,) * 7
+
+
+# --------------------------------------------------------------------------- token_stats
+FIELDS = lr.TokenStats._fields
+#: The fields with a gradient; without truncation the raw ones are the processed ones.
+DIFFERENTIABLE = frozenset({"logprobs", "entropy", "raw_logprobs", "raw_entropy"})
+LABELLED = frozenset({"logprobs", "raw_logprobs", "is_argmax"})
+#: The fields only token_stats' own kernel computes (the others come from the ops' kernels).
+EXTRA = frozenset({"log_sum_p2", "mean_logit", "is_argmax"})
+
+
+def _stats_fields(f: _Forward, want: frozenset, inv_t: float, vocab: int) -> dict:
+    """The fields asked, flat per row, from one forward: logprobs and entropy exactly as the ops
+    compute them (the same tensors), the raw ones their copies."""
+    out = {}
+    if f.logp is not None:
+        out["logprobs"], out["raw_logprobs"] = f.logp, f.logp.clone()
+    if f.entropy is not None:
+        out["entropy"], out["raw_entropy"] = f.entropy, f.entropy.clone()
+    out["max_logit"] = f.m * inv_t
+    if f.extra:
+        total, q, top, at, same = f.extra
+        out["mean_logit"] = total * inv_t / vocab
+        out["log_sum_p2"] = q.log() - 2.0 * f.log_s
+        if "is_argmax" in want:
+            first = _first_maximum(f.rows, f.idx, top, at, same)
+            out["is_argmax"] = first if f.ignored is None else first & ~f.ignored
+    return {k: v for k, v in out.items() if k in want}
+
+
+def _first_maximum(rows, idx, top, at, same) -> torch.Tensor:
+    """Whether each row's label is torch.argmax of its row (the first maximum; NaN the largest): its
+    value ``at`` is the row's max ``top`` and no other column holds it (``same == 1``); the rows
+    where it is at a tied max, or NaN, are decided by torch.argmax on those rows alone (exact ties
+    are rare, and a NaN label rarer)."""
+    first = (at == top) & (same == 1)
+    unsure = ((at == top) & (same > 1)) | torch.isnan(at)
+    if kit.capturing(unsure):  # no row count on the host: every row
+        return torch.where(unsure, rows.argmax(-1, keepdim=True) == idx, first)
+    if bool(unsure.any()):
+        where = unsure.reshape(-1).nonzero().squeeze(-1)
+        picked = rows[torch.unravel_index(where, tuple(rows.shape[:-1]))]  # those rows only, (k, V)
+        hit = picked.argmax(-1) == idx.reshape(-1).index_select(0, where)
+        first = first.reshape(-1).index_put((where,), hit).view(first.shape)
+    return first
+
+
+def _stats_forward(logits, labels, inv_t, ignore_index, want: frozenset, cap) -> _Forward:
+    want_logp = bool(want & {"logprobs", "raw_logprobs"})
+    want_entropy = bool(want & {"entropy", "raw_entropy"})
+    return _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy, cap, stats=bool(want & EXTRA))
+
+
+class _TokenStats(torch.autograd.Function):
+    """token_stats' fields (all eight, None where not asked), backward through the ops' gradient kernel."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, inv_t, ignore_index, want, cap):
+        f = _stats_forward(logits, labels, inv_t, ignore_index, want, cap)
+        want_logp, want_entropy = f.logp is not None, f.entropy is not None
+        _warm_backward(f.rows, (want_logp, want_entropy), inv_t, False, cap)
+        ctx.options = (inv_t, want_logp, want_entropy, False, cap)
+        ctx.save_for_backward(logits, f.idx, f.ignored, f.m, f.log_s, f.entropy)
+        ctx.set_materialize_grads(False)
+        lead = logits.shape[:-1]
+        named = _stats_fields(f, want, inv_t, logits.shape[-1])
+        outs = tuple(None if n not in named else named[n].view(labels.shape if n in LABELLED else lead)
+                     for n in FIELDS)
+        fixed = [o for n, o in zip(FIELDS, outs) if o is not None and n not in DIFFERENTIABLE]
+        if fixed:
+            ctx.mark_non_differentiable(*fixed)
+        return outs
+
+    @staticmethod
+    @backward_without_autocast
+    def backward(ctx, *grads):
+        named = dict(zip(FIELDS, grads))
+
+        def total(*names):
+            found = [named[n] for n in names if named[n] is not None]
+            return None if not found else found[0] if len(found) == 1 else found[0] + found[1]
+
+        g_lp, g_ent = total("logprobs", "raw_logprobs"), total("entropy", "raw_entropy")
+        if g_lp is None and g_ent is None:
+            return (None,) * 6
+        return (_backward(ctx, g_lp, g_ent),) + (None,) * 5
+
+
+def token_stats(logits, labels, outputs, temperature, ignore_index, softcap=None) -> "lr.TokenStats":
+    """compiled's token_stats over logits: one forward kernel per block of rows (the entropy's, or
+    with mean_logit, log_sum_p2 or is_argmax token_stats' own, which computes the entropy's
+    statistics by the same expressions); the gradient through the ops' one-pass kernel."""
+    want = frozenset(outputs) - (LABELLED if labels is None else frozenset())
+    if logits.numel() == 0:  # nothing to compile for
+        got = kit.reference_function("token_stats")(logits, labels, outputs=tuple(want), temperature=temperature,
+                                                    ignore_index=ignore_index, softcap=softcap,
+                                                    dtype=result_dtype(logits.dtype))
+        return lr.TokenStats(**{k: v for k, v in got.items() if k in want})
+    inv_t = 1.0 / temperature
+    if torch.is_grad_enabled() and logits.requires_grad and want & DIFFERENTIABLE:
+        return lr.TokenStats(*_TokenStats.apply(logits, labels, inv_t, ignore_index, want, softcap))
+    f = _stats_forward(logits, labels, inv_t, ignore_index, want, softcap)
+    lead = logits.shape[:-1]
+    named = _stats_fields(f, want, inv_t, logits.shape[-1])
+    return lr.TokenStats(**{n: v.view(labels.shape if n in LABELLED else lead) for n, v in named.items()})
 
 
 def apply(logits, labels, temperature, ignore_index, want_logp, want_entropy, inplace, softcap=None):

@@ -55,6 +55,11 @@ def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_b
     return _load().logprobs_and_entropy(logits, labels, temperature, ignore_index, inplace_backward, softcap)
 
 
+def token_stats(inputs, labels, *, weight, bias, outputs, temperature, ignore_index, softcap=None):
+    """Logits only: hidden states (a weight) need the feature stats_hidden, which this backend does not declare."""
+    return _load().token_stats(inputs, labels, outputs, temperature, ignore_index, softcap)
+
+
 def _shard_ops():
     """The vocabulary-parallel kernels' module, imported at the first such op."""
     from . import _shards
@@ -105,6 +110,7 @@ def make_backend(interpret: bool) -> lr.Backend:
             "logprobs": logprobs,
             "entropy": entropy,
             "logprobs_and_entropy": logprobs_and_entropy,
+            "token_stats": token_stats,
             "shard_stats": shard_stats,
             "shard_grad": shard_grad,
             "hidden_shard_stats": hidden_shard_stats,

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+import logprob_registry as lr
 from logprob_registry import kit
 from logprob_registry.kit import backward_without_autocast, overlapping, result_dtype, second_order_gradient
 
@@ -143,6 +144,7 @@ def _forward_kernel(
     t_hi, t_lo, ignore_index, cap,
     ROWS: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr, SPLIT: tl.constexpr,
     LABELS: tl.constexpr, IGNORE: tl.constexpr, ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr = False,
+    zs_ptr=None, q_ptr=None, f_ptr=None, pz_ptr=None, pq_ptr=None, pf_ptr=None, STATS: tl.constexpr = False,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     live = rows < N
@@ -155,6 +157,11 @@ def _forward_kernel(
     m = tl.full([ROWS], float("-inf"), ACC)
     s = tl.zeros([ROWS], ACC)
     t = tl.zeros([ROWS], ACC)
+    # token_stats (STATS): sum z, sum exp(2 (z - m)) (rescaled by alpha**2), the first column at the
+    # max (a chunk of nothing but -inf: its first column); defined outside the branch for the loop
+    zs = tl.zeros([ROWS], ACC)
+    q = tl.zeros([ROWS], ACC)
+    first = tl.zeros([ROWS], tl.int64) + lo
     for start in range(0, SPAN, BLOCK):  # SPAN = min(CHUNK, V); the last chunk's tail is masked
         idx = start + cols
         mask = live[:, None] & (idx < hi)[None, :]
@@ -174,6 +181,13 @@ def _forward_kernel(
         alpha = tl.where(fresh, 0.0, tl.exp(shift))
         if ENTROPY:
             t = alpha * (t + shift * s) + tl.sum(e * d, 1)
+        if STATS:
+            zs += tl.sum(tl.where(mask, x, 0.0), 1)
+            q = q * (alpha * alpha) + tl.sum(e * e, 1)
+            top = tl.max(x, 1)
+            at_top = mask & (x == top[:, None])
+            here = tl.min(tl.where(at_top, idx[None, :], V), 1)
+            first = tl.where(top > m, here, first)  # a later block's equal maximum comes after
         s = s * alpha + tl.sum(e, 1)
         m = m_new
     if SPLIT:
@@ -182,7 +196,15 @@ def _forward_kernel(
         tl.store(ps_ptr + at, s, mask=live)
         if ENTROPY:
             tl.store(pt_ptr + at, t, mask=live)
+        if STATS:
+            tl.store(pz_ptr + at, zs, mask=live)
+            tl.store(pq_ptr + at, q, mask=live)
+            tl.store(pf_ptr + at, first, mask=live)
     else:
+        if STATS:
+            tl.store(zs_ptr + rows, zs, mask=live)
+            tl.store(q_ptr + rows, q, mask=live)
+            tl.store(f_ptr + rows, first, mask=live)
         _finish(rows, live, x_rows, m, s, t, temp, xsv, lab_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr,
                 D1, D2, ls0, ls1, ls2, ignore_index, cap, ACC, LABELS, IGNORE, ENTROPY, SOFTCAP)
 
@@ -194,6 +216,7 @@ def _combine_kernel(
     t_hi, t_lo, ignore_index, cap,
     ROWS: tl.constexpr, PARTS: tl.constexpr, ACC: tl.constexpr,
     LABELS: tl.constexpr, IGNORE: tl.constexpr, ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr = False,
+    zs_ptr=None, q_ptr=None, f_ptr=None, pz_ptr=None, pq_ptr=None, pf_ptr=None, STATS: tl.constexpr = False,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     live = rows < N
@@ -214,6 +237,12 @@ def _combine_kernel(
     if ENTROPY:
         pt = tl.load(pt_ptr + at, mask=inb, other=0.0)
         t = tl.sum(w * (pt + shift * ps), 1)
+    if STATS:
+        tl.store(zs_ptr + rows, tl.sum(tl.load(pz_ptr + at, mask=inb, other=0.0), 1), mask=live)
+        tl.store(q_ptr + rows, tl.sum(tl.load(pq_ptr + at, mask=inb, other=0.0) * (w * w), 1), mask=live)
+        pf = tl.load(pf_ptr + at, mask=inb, other=0)
+        big = tl.max(tl.where(inb, pf, 0), 1) + 1
+        tl.store(f_ptr + rows, tl.min(tl.where(inb & (pm == m[:, None]), pf, big[:, None]), 1), mask=live)
     _finish(rows, live, x_rows, m, s, t, temp, xsv, lab_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr,
             D1, D2, ls0, ls1, ls2, ignore_index, cap, ACC, LABELS, IGNORE, ENTROPY, SOFTCAP)
 
@@ -327,8 +356,10 @@ def _check_device(logits: torch.Tensor) -> None:
         )
 
 
-def _forward(logits, labels, temperature, ignore_index, want_lp, want_ent, softcap=None):
-    """(logprobs or None, entropy or None, m, log_s): m and log_s are flat per-row buffers."""
+def _forward(logits, labels, temperature, ignore_index, want_lp, want_ent, softcap=None, stats=None):
+    """(logprobs or None, entropy or None, m, log_s): m and log_s are flat per-row buffers. ``stats``:
+    token_stats' flat per-row buffers (sum z, sum exp(2 (z - m)), the first column at the max),
+    filled in the same pass."""
     _check_device(logits)
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     acc = _acc(logits.dtype)
@@ -348,11 +379,12 @@ def _forward(logits, labels, temperature, ignore_index, want_lp, want_ent, softc
         log_s.fill_(float("-inf"))
         return lp, ent, m, log_s
     with _on(dev):
-        _launch_forward(logits, labels if want_lp else None, lp, ent, m, log_s, temperature, ignore_index, softcap)
+        _launch_forward(logits, labels if want_lp else None, lp, ent, m, log_s, temperature, ignore_index, softcap,
+                        stats)
     return lp, ent, m, log_s
 
 
-def _launch_forward(logits, labels, lp, ent, m, log_s, temperature, ignore_index, softcap=None):
+def _launch_forward(logits, labels, lp, ent, m, log_s, temperature, ignore_index, softcap=None, stats=None):
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     label_strides = labels.stride() if labels is not None else (0,) * len(lead)
     geometry = _geometry(lead, logits.stride()[:-1], label_strides)
@@ -363,7 +395,8 @@ def _launch_forward(logits, labels, lp, ent, m, log_s, temperature, ignore_index
             _launch_forward(
                 logits[i], None if labels is None else labels[i],
                 None if lp is None else lp[i], None if ent is None else ent[i],
-                m[sl], log_s[sl], temperature, ignore_index, softcap)
+                m[sl], log_s[sl], temperature, ignore_index, softcap,
+                None if stats is None else tuple(b[sl] for b in stats))
         return
     d1, d2, (xs, ls) = geometry
     n = math.prod(lead)
@@ -380,6 +413,13 @@ def _launch_forward(logits, labels, lp, ent, m, log_s, temperature, ignore_index
         pt = torch.empty_like(pm) if ent is not None else pm
     else:
         pm = ps = pt = m
+    extra = {}
+    if stats is not None:
+        zs, q, first = stats
+        extra = dict(zs_ptr=zs, q_ptr=q, f_ptr=first, pz_ptr=zs, pq_ptr=q, pf_ptr=first, STATS=True)
+        if split:
+            extra.update(pz_ptr=torch.empty_like(pm), pq_ptr=torch.empty_like(pm),
+                         pf_ptr=torch.empty(n * parts, dtype=torch.int64, device=logits.device))
     lab = labels if labels is not None else m
     lp_buf = lp if lp is not None else m
     ent_buf = ent if ent is not None else m
@@ -391,7 +431,7 @@ def _launch_forward(logits, labels, lp, ent, m, log_s, temperature, ignore_index
         logits, lab, lp_buf, ent_buf, m, log_s, pm, ps, pt,
         n, vocab, chunk, min(chunk, vocab), d1, d2, *xs, logits.stride(-1), *ls, t_hi, t_lo, ii, cap,
         ROWS=rows, BLOCK=block, SPLIT=split, num_warps=_num_warps(rows * block), enable_fp_fusion=True,
-        **common,
+        **common, **extra,
     )
     if split:
         padded = max(16, triton.next_power_of_2(parts))
@@ -400,6 +440,7 @@ def _launch_forward(logits, labels, lp, ent, m, log_s, temperature, ignore_index
             logits, lab, lp_buf, ent_buf, m, log_s, pm, ps, pt,
             n, parts, d1, d2, *xs, logits.stride(-1), *ls, t_hi, t_lo, ii, cap,
             ROWS=crows, PARTS=padded, num_warps=_num_warps(crows * padded), enable_fp_fusion=True, **common,
+            **extra,
         )
 
 
@@ -505,3 +546,106 @@ def entropy(logits, temperature: float, softcap: Optional[float] = None):
 def logprobs_and_entropy(logits, labels, temperature: float, ignore_index: Optional[int], inplace: bool,
                          softcap: Optional[float] = None):
     return _run(logits, labels, temperature, ignore_index, inplace, True, True, softcap)
+
+
+# ------------------------------------------------------------------------------------- token_stats
+FIELDS = lr.TokenStats._fields
+DIFFERENTIABLE = frozenset({"logprobs", "entropy", "raw_logprobs", "raw_entropy"})
+LABELLED = frozenset({"logprobs", "raw_logprobs", "is_argmax"})
+#: The fields only the forward kernel's STATS branch computes.
+EXTRA = frozenset({"log_sum_p2", "mean_logit", "is_argmax"})
+
+
+def _stats_forward(logits, labels, temperature, ignore_index, want, softcap):
+    """(fields by name, flat, those asked; what the backward needs: ent, m, log_s), one forward pass:
+    logprobs and entropy as the ops' kernel computes them (STATS adds independent sums only)."""
+    want_lp, want_ent = bool(want & {"logprobs", "raw_logprobs"}), bool(want & {"entropy", "raw_entropy"})
+    n = math.prod(logits.shape[:-1])
+    acc, dev = _acc(logits.dtype), logits.device
+    stats = None
+    if want & EXTRA and logits.shape[-1]:
+        stats = (torch.empty(n, dtype=acc, device=dev), torch.empty(n, dtype=acc, device=dev),
+                 torch.empty(n, dtype=torch.int64, device=dev))
+    # the labels reach the kernel only for the log-probabilities; is_argmax compares here
+    lp, ent, m, log_s = _forward(logits, labels if want_lp else None, temperature, ignore_index, want_lp, want_ent,
+                                 softcap, stats)
+    out = {}
+    if lp is not None:
+        out["logprobs"], out["raw_logprobs"] = lp.view(-1), lp.view(-1).clone()
+    if ent is not None:
+        out["entropy"], out["raw_entropy"] = ent.view(-1), ent.view(-1).clone()
+    out["max_logit"] = m.clone()
+    if stats is not None:
+        zs, q, first = stats
+        out["mean_logit"] = zs / logits.shape[-1]
+        out["log_sum_p2"] = q.log() - 2.0 * log_s
+        if labels is not None:
+            flat = labels.reshape(-1).to(torch.int64)
+            top = first == flat
+            out["is_argmax"] = top if ignore_index is None else top & (flat != ignore_index)
+    return {k: v for k, v in out.items() if k in want}, (ent, m, log_s)
+
+
+def _shaped(named, labels, lead):
+    return tuple(None if n not in named else named[n].view(labels.shape if n in LABELLED else lead) for n in FIELDS)
+
+
+class _TokenStats(torch.autograd.Function):
+    """token_stats' eight fields (None where not asked); backward through the ops' gradient kernel
+    with the summed upstream gradients (without truncation the raw fields are the processed ones)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, ignore_index, want, softcap):
+        named, (ent, m, log_s) = _stats_forward(logits, labels, temperature, ignore_index, want, softcap)
+        ctx.save_for_backward(logits, labels, ent, m, log_s)
+        ctx.options = (temperature, ignore_index, softcap)
+        ctx.set_materialize_grads(False)
+        outs = _shaped(named, labels, logits.shape[:-1])
+        fixed = [o for n, o in zip(FIELDS, outs) if o is not None and n not in DIFFERENTIABLE]
+        if fixed:
+            ctx.mark_non_differentiable(*fixed)
+        return outs
+
+    @staticmethod
+    @backward_without_autocast
+    def backward(ctx, *grads):
+        logits, labels, ent, m, log_s = ctx.saved_tensors
+        temperature, ignore_index, softcap = ctx.options
+        named = dict(zip(FIELDS, grads))
+
+        def total(*names):
+            found = [named[n] for n in names if named[n] is not None]
+            return None if not found else found[0] if len(found) == 1 else found[0] + found[1]
+
+        g_lp, g_ent = total("logprobs", "raw_logprobs"), total("entropy", "raw_entropy")
+        if g_lp is None and g_ent is None:
+            return (None,) * 6
+        if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
+            def outputs():
+                kw = dict(temperature=temperature, softcap=softcap, want_entropy=True)
+                if labels is None:
+                    return None, kit.reference_outputs(logits, None, ignore_index=None, want_logprobs=False, **kw)
+                return kit.reference_outputs(logits, labels, ignore_index=ignore_index, want_logprobs=True, **kw)
+
+            return second_order_gradient(outputs, (logits,), (g_lp, g_ent)) + (None,) * 5
+        grad = _backward(logits, labels if g_lp is not None else None, g_lp, g_ent, ent if g_ent is not None else None,
+                         m, log_s, temperature, ignore_index, False, softcap)
+        return (grad,) + (None,) * 5
+
+
+def token_stats(logits, labels, outputs, temperature: float, ignore_index: Optional[int],
+                softcap: Optional[float] = None) -> "lr.TokenStats":
+    """triton's token_stats over logits: one forward pass of the ops' kernel with its STATS branch."""
+    _check_device(logits)
+    want = frozenset(outputs) - (LABELLED if labels is None else frozenset())
+    if ignore_index is not None and not -2**63 <= ignore_index < 2**63:
+        ignore_index = None  # no int64 label can equal it
+    if logits.numel() == 0:
+        got = kit.reference_function("token_stats")(logits, labels, outputs=tuple(want), temperature=temperature,
+                                                    ignore_index=ignore_index, softcap=softcap,
+                                                    dtype=result_dtype(logits.dtype))
+        return lr.TokenStats(**{k: v for k, v in got.items() if k in want})
+    if logits.requires_grad and torch.is_grad_enabled() and want & DIFFERENTIABLE:
+        return lr.TokenStats(*_TokenStats.apply(logits, labels, temperature, ignore_index, want, softcap))
+    named, _ = _stats_forward(logits, labels, temperature, ignore_index, want, softcap)
+    return lr.TokenStats(*_shaped(named, labels, logits.shape[:-1]))

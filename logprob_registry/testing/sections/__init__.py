@@ -57,7 +57,7 @@ def covering_tests(op: Optional[str] = None, capability: Optional[str] = None, f
         name for name, c in coverage(cls).items()
         if (op is None or op in c.ops)
         and (capability is None or capability in c.capabilities)
-        and (feature is None or feature in c.features)
+        and (feature is None or feature in c.all_features)
     )
 
 

@@ -4,7 +4,7 @@ reads it (a leaf module: the sections import it, and the package reads every sec
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Optional, Tuple, TypeVar, Union
+from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple, TypeVar, Union
 
 from ...backend import CAPABILITIES
 from ...opspec import FEATURES, OPS
@@ -26,6 +26,8 @@ class Coverage:
     ``grad``: the test runs backward, so it applies only to backends that declare
     ``autograd=True`` (it covers that capability).
     ``features``: the ``opspec.FEATURES`` whose options it exercises (a backend must declare all).
+    ``by_param``: features only some of its cases need, by parameter and value: ``(("form",
+    (("hidden-bias", ("stats_hidden",)),)),)`` (:meth:`features_for`; :func:`covers` takes a mapping).
     """
 
     ops: Tuple[str, ...]
@@ -33,6 +35,19 @@ class Coverage:
     declared: Optional[bool] = None
     grad: bool = False
     features: Tuple[str, ...] = ()
+    by_param: Tuple[Tuple[str, Tuple[Tuple[object, Tuple[str, ...]], ...]], ...] = ()
+
+    @property
+    def all_features(self) -> Tuple[str, ...]:
+        """Every feature one of its cases exercises."""
+        extra = tuple(f for _, values in self.by_param for _, fs in values for f in fs)
+        return tuple(dict.fromkeys(self.features + extra))
+
+    def features_for(self, params: Dict[str, object]) -> Tuple[str, ...]:
+        """The features one case of the test needs a backend to declare (all of them)."""
+        extra = tuple(f for name, values in self.by_param for value, fs in values
+                      if name in params and params[name] == value for f in fs)
+        return tuple(dict.fromkeys(self.features + extra))
 
     @property
     def capabilities(self) -> Tuple[str, ...]:
@@ -46,18 +61,23 @@ class Coverage:
 
 
 def covers(ops: Union[str, Iterable[str]], *, capability: Optional[str] = None, declared: Optional[bool] = None,
-           grad: bool = False, features: Iterable[str] = ()) -> Callable[[F], F]:
+           grad: bool = False, features: Iterable[str] = (),
+           by_param: Optional[Mapping[str, Mapping[object, Iterable[str]]]] = None) -> Callable[[F], F]:
     """Declare what the decorated conformance test covers (see :class:`Coverage`), e.g.
-    ``@covers(LOGITS_OPS, capability="deterministic", declared=True, grad=True)``."""
+    ``@covers(LOGITS_OPS, capability="deterministic", declared=True, grad=True)``; ``by_param``: the
+    features of the cases with a parameter's value, ``{"form": {"hidden-bias": ("stats_hidden",)}}``."""
     names = (ops,) if isinstance(ops, str) else tuple(ops)
+    per_case = tuple((name, tuple((value, tuple(fs)) for value, fs in values.items()))
+                     for name, values in (by_param or {}).items())
+    every = tuple(features) + tuple(f for _, values in per_case for _, fs in values for f in fs)
     unknown = [o for o in names if o not in OPS] + [c for c in (capability,) if c and c not in CAPABILITIES] \
-        + [f for f in features if f not in FEATURES]
+        + [f for f in every if f not in FEATURES]
     if unknown or not names:
         raise ValueError(f"covers(): unknown ops, capabilities or features {unknown} (or no op); the known "
                          "ones are in logprob_registry.opspec.OPS, backend.CAPABILITIES and opspec.FEATURES")
     if declared is not None and capability is None:
         raise ValueError("covers(): declared= needs the capability it is a value of")
-    coverage = Coverage(names, capability, declared, grad, tuple(features))
+    coverage = Coverage(names, capability, declared, grad, tuple(features), per_case)
 
     def mark(test: F) -> F:
         setattr(test, ATTRIBUTE, coverage)

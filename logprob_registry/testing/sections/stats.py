@@ -33,12 +33,16 @@ V = 300          # above chunked's min_vocab, no power of two
 LEAD = (3, 5)
 H = 24
 TEMPERATURE = 0.8
-#: Keyword sets: plain, and truncation, softcap and temperature together.
+#: Keyword sets: plain; truncation, softcap and temperature together; softcap and temperature alone.
 OPTIONS = {
     "plain": ({}, ()),
     "sampler": (dict(top_k=40, top_p=0.9, softcap=12.0, temperature=TEMPERATURE), ("top_k", "top_p", "softcap")),
+    "softcap": (dict(softcap=12.0, temperature=TEMPERATURE), ("softcap",)),
 }
 FORMS = ["float32", "bfloat16", "hidden-bias"]
+#: The features of the cases by parameter (the suite's coverage, :func:`covers`' ``by_param``).
+SAMPLER_CASES = {name: features for name, (_, features) in OPTIONS.items() if features}
+HIDDEN_CASES = {"hidden-bias": ("stats_hidden",)}
 
 
 def _spec():
@@ -77,10 +81,12 @@ def _case(lp: Harness, form: str, seed: int = 0):
     return x, _labels(lp, x), {}, x.double().cpu()
 
 
-def _require(lp: Harness, dtype=torch.float32, grad: bool = False, features: Sequence[str] = ()) -> None:
+def _require(lp: Harness, dtype=torch.float32, grad: bool = False, features: Sequence[str] = (),
+             form: str = "logits") -> None:
     if not lp.backend.supports(OP):
         pytest.skip(f"{lp.name} does not implement {OP}")
-    lp.require(OP, dtype, grad=grad, features=features, vocab=V)
+    hidden = ("stats_hidden",) if form == "hidden-bias" else ()
+    lp.require(OP, dtype, grad=grad, features=tuple(features) + hidden, vocab=V)
 
 
 def _call(lp: Harness, x, labels, **options) -> lr.TokenStats:
@@ -140,7 +146,7 @@ def _finite_sum(outputs, ups, truth) -> torch.Tensor:
 class StatsSection:
     """Tests of ``token_stats`` (a mixin of :class:`~logprob_registry.testing.BackendConformance`)."""
 
-    @covers(OP, features=("top_k", "top_p", "softcap"))
+    @covers(OP, by_param=dict(options=SAMPLER_CASES, form=HIDDEN_CASES))
     @pytest.mark.parametrize("options", list(OPTIONS))
     @pytest.mark.parametrize("form", FORMS)
     def test_stats_values(self, lp: Harness, form: str, options: str) -> None:
@@ -148,7 +154,7 @@ class StatsSection:
         with top_k, top_p, softcap and temperature together."""
         kw, features = OPTIONS[options]
         dtype = torch.float32 if form == "hidden-bias" else getattr(torch, form)
-        _require(lp, dtype, features=features)
+        _require(lp, dtype, features=features, form=form)
         x, labels, inputs, z64 = _case(lp, form)
         options_ = dict(inputs, outputs=FIELDS, **kw)
         got = _call(lp, x, labels, **options_)
@@ -156,14 +162,14 @@ class StatsSection:
         bound = hidden_magnitude(x, inputs["weight"], inputs["bias"]) if form == "hidden-bias" else None
         _check_fields(got, want, _tolerances(z64, options_, bound), x, f"{OP} {form} {options}")
 
-    @covers(OP, features=("top_k", "softcap"))
+    @covers(OP, by_param=dict(form=HIDDEN_CASES))
     @pytest.mark.parametrize("form", ["logits", "hidden-bias"])
     def test_stats_subsets(self, lp: Harness, form: str) -> None:
         """Any subset of the fields: those asked are the full call's values, the others None; without
-        labels, the label-free fields."""
-        _require(lp, features=("top_k", "softcap"))
+        labels, the label-free fields (with top_k and softcap where the backend declares them)."""
+        _require(lp, form=form)
         x, labels, inputs, z64 = _case(lp, "float32" if form == "logits" else form)
-        kw = dict(inputs, top_k=30, softcap=15.0)
+        kw = dict(inputs, **{k: v for k, v in dict(top_k=30, softcap=15.0).items() if k in lp.backend.features})
         full = _call(lp, x, labels, outputs=FIELDS, **kw)
         for subset in [("logprobs",), ("entropy", "is_argmax"), ("raw_logprobs", "log_sum_p2"),
                        ("mean_logit", "max_logit", "raw_entropy")]:
@@ -183,7 +189,7 @@ class StatsSection:
         _check_fields(got, want, _tolerances(z64, dict(outputs=label_free, **kw), bound), x,
                       f"{OP} without labels ({form})")
 
-    @covers(OP, grad=True, features=("top_k", "top_p", "softcap"))
+    @covers(OP, grad=True, by_param=dict(options=SAMPLER_CASES, form=HIDDEN_CASES))
     @pytest.mark.parametrize("options", list(OPTIONS))
     @pytest.mark.parametrize("form", ["logits", "hidden-bias"])
     def test_stats_gradients(self, lp: Harness, form: str, options: str) -> None:
@@ -191,7 +197,7 @@ class StatsSection:
         all four, and on each alone) to the logits, or to hidden, weight and bias, against float64
         autograd of the reference."""
         kw, features = OPTIONS[options]
-        _require(lp, grad=True, features=features)
+        _require(lp, grad=True, features=features, form=form)
         x, labels, inputs, z64 = _case(lp, "float32" if form == "logits" else form, seed=5)
         leaves = {"inputs": x, **inputs}
         bound = hidden_magnitude(x, inputs["weight"], inputs["bias"]) if inputs else None
@@ -212,12 +218,12 @@ class StatsSection:
                 assert_close(a, b, 4 * tol * (1.0 + scale),
                              f"{OP} {form} {options}: the gradient of {name} with {', '.join(used)} in the loss")
 
-    @covers(OP, grad=True)
+    @covers(OP, grad=True, by_param=dict(form=HIDDEN_CASES))
     @pytest.mark.parametrize("form", ["logits", "hidden-bias"])
     def test_stats_not_differentiable(self, lp: Harness, form: str) -> None:
         """With inputs requiring gradients, the differentiable fields have a grad_fn and those the op
         table marks not differentiable have none (nor requires_grad)."""
-        _require(lp, grad=True)
+        _require(lp, grad=True, form=form)
         x, labels, inputs, _ = _case(lp, "float32" if form == "logits" else form)
         x = x.clone().requires_grad_(True)
         inputs = {k: v.clone().requires_grad_(True) for k, v in inputs.items()}
@@ -234,7 +240,7 @@ class StatsSection:
             quiet = _call(lp, x, labels, outputs=FIELDS, **inputs)
         assert all(getattr(quiet, n).grad_fn is None for n in FIELDS), f"{OP} under no_grad returned a grad_fn"
 
-    @covers(OP, features=("top_k", "top_p", "softcap"))
+    @covers(OP, by_param=dict(options=SAMPLER_CASES, form=HIDDEN_CASES))
     @pytest.mark.parametrize("options", list(OPTIONS))
     @pytest.mark.parametrize("form", ["float32", "bfloat16", "hidden-bias"])
     def test_stats_bitwise_existing_ops(self, lp: Harness, form: str, options: str) -> None:
@@ -243,7 +249,7 @@ class StatsSection:
         logprobs_and_entropy (logprobs_from_hidden with return_entropy=True)."""
         kw, features = OPTIONS[options]
         dtype = torch.float32 if form == "hidden-bias" else getattr(torch, form)
-        _require(lp, dtype, features=features)
+        _require(lp, dtype, features=features, form=form)
         x, labels, inputs, _ = _case(lp, form)
         labels = labels.clone()
         labels.view(-1)[1] = 7
@@ -294,20 +300,20 @@ class StatsSection:
             (grad,) = torch.autograd.grad((got.logprobs + got.raw_logprobs).sum(), leaf)
             assert bool((grad.cpu()[ignored] == 0).all()), f"{OP}: an ignored position got a gradient"
 
-    @covers(OP)
+    @covers(OP, by_param=dict(form=HIDDEN_CASES))
     @pytest.mark.parametrize("form", ["logits", "hidden-bias"])
     def test_stats_is_argmax(self, lp: Harness, form: str) -> None:
         """is_argmax exactly: a label on the row's maximum is True, on the runner-up False (values
-        apart by far more than rounding); in an exact tie the first maximum wins; under top_k the
-        argmax is that of the kept tokens."""
-        _require(lp, features=("top_k",))
+        apart by far more than rounding); in an exact tie the first maximum wins; under top_k (for a
+        backend declaring it) the argmax is that of the kept tokens."""
+        _require(lp, form=form)
         x, _, inputs, z64 = _case(lp, "float32" if form == "logits" else form, seed=9)
         order = z64.argsort(-1, descending=True)
         top, second = order[..., 0], order[..., 1]
         gap = z64.gather(-1, order[..., :1]).squeeze(-1) - z64.gather(-1, order[..., 1:2]).squeeze(-1)
         apart = (gap > 1e-3).to(lp.device)
         labels = torch.where(torch.arange(top.numel()).view(top.shape) % 2 == 0, top, second).to(lp.device)
-        for kw in ({}, {"top_k": 5}):
+        for kw in ({}, {"top_k": 5}) if "top_k" in lp.backend.features else ({},):
             got = _call(lp, x, labels, outputs=("is_argmax",), **inputs, **kw).is_argmax
             want = (labels.cpu() == top).to(lp.device)
             assert torch.equal(got[apart], want[apart]), f"{OP}: is_argmax wrong away from ties ({form}, {kw})"
