@@ -335,15 +335,10 @@ NO_LOGITS = MemoryPromise(
     "never the (N, V) logits", 0.1,
     "never forms the (N, V) logits: its extra peak memory beyond the gradients it returns grows by at most "
     "0.1x the float32 logits as the rows grow")
-#: The promise of an op given logits (the caller holds them): no temporary as large as they are,
-#: from vocabularies of 257 (on 256 and fewer a copy costs less than avoiding it: naive's ground).
-NO_COPY = MemoryPromise(
-    "no (N, V) temporary beyond the gradient", 0.5,
-    "no (N, V) temporary beyond the gradient it returns (the logits are read where they lie): its extra peak "
-    "memory beyond the gradient grows by at most 0.5x the float32 logits as the rows grow; from vocabularies "
-    "of 257 (none below)", from_vocab=257)
-#: The promises of an op that takes logits, or hidden states with a weight, by the inputs given.
-BOTH_PROMISES = {"logits": NO_COPY, "hidden": NO_LOGITS}
+#: The promises of an op that takes logits, or hidden states with a weight, by the inputs given: given
+#: logits (which the caller holds), none; a backend copying them says so (``copies_logits``, in
+#: ``explain``) and runs where it is the best.
+BOTH_PROMISES = {"hidden": NO_LOGITS}
 
 
 @dataclass(frozen=True)
@@ -644,7 +639,6 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
             + "; float32 (float64 for float64 logits)",
         dtype_input="logits", grad_inputs=("logits",),
         reference="logprobs", examples=examples_by_name,
-        memory={"logits": NO_COPY},
     ),
     OpSpec(
         name="entropy", function="entropy_from_logits",
@@ -655,7 +649,6 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
             "float32 (float64 for float64 logits) of shape (...)",
         dtype_input="logits", grad_inputs=("logits",),
         reference="entropy", examples=examples_by_name,
-        memory={"logits": NO_COPY},
     ),
     OpSpec(
         name="logprobs_and_entropy", function="logprobs_and_entropy",
@@ -665,7 +658,6 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
         doc="both of the above in one pass; the entropy of an ignored position is computed as usual",
         dtype_input="logits", grad_inputs=("logits",),
         reference="logprobs_and_entropy", examples=examples_by_name,
-        memory={"logits": NO_COPY},
     ),
     OpSpec(
         name="logprobs_from_hidden", function="logprobs_from_hidden",
@@ -698,7 +690,6 @@ OPS: Dict[str, OpSpec] = {spec.name: spec for spec in (
             "ties by smaller id; -inf (and the smallest ids left) where fewer than k tokens are kept",
         dtype_input="logits", grad_inputs=("logits",),
         reference="topk_logprobs", examples=examples_by_name,
-        memory={"logits": NO_COPY},
     ),
     OpSpec(
         name="kl_divergence", function="kl_divergence",

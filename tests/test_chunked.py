@@ -112,7 +112,8 @@ def test_registered_with_its_promises():
     assert backend.priority == 10
     assert set(backend.ops) == {"logprobs", "entropy", "logprobs_and_entropy", "logprobs_from_hidden", "topk_logprobs",
                                 "kl_divergence", "shard_stats", "shard_grad", "hidden_shard_stats", "hidden_shard_grad",
-                                "kl_shard_stats", "kl_shard_grad", "shard_topk", "hidden_shard_topk", "token_stats"}
+                                "kl_shard_stats", "kl_shard_grad", "shard_topk", "hidden_shard_topk", "token_stats",
+                                "shard_token_stats", "hidden_shard_token_stats"}
     assert backend.devices == {"cpu", "cuda", "npu", "xpu", "mps", "hpu"}
     assert backend.inplace_backward and backend.batch_invariant and backend.deterministic
     eligible = lr.explain("logprobs", device="cpu", dtype=torch.bfloat16, requires_grad=True).eligible

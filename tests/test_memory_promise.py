@@ -7,7 +7,7 @@ import torch
 
 import logprob_registry as lr
 from logprob_registry.config import ConfigError
-from logprob_registry.opspec import MEMORY_NOISE, NO_COPY, NO_LOGITS, OPS
+from logprob_registry.opspec import MEMORY_NOISE, NO_LOGITS, OPS
 from logprob_registry.registry import Key
 from logprob_registry.tuning import cache
 
@@ -55,11 +55,10 @@ def test_the_op_table_declares_each_ops_promise_once():
     for op in ("logprobs_from_hidden",):
         assert OPS[op].promise() is NO_LOGITS
     for op in ("kl_divergence", "token_stats"):
-        assert OPS[op].promise(hidden=256) is NO_LOGITS and OPS[op].promise(lowest_vocab=257) is NO_COPY
+        assert OPS[op].promise(hidden=256) is NO_LOGITS and OPS[op].promise(lowest_vocab=257) is None
     assert OPS["kl_divergence"].promise(features=frozenset({"kl_hidden"})) is NO_LOGITS
-    for op in ("logprobs", "entropy", "logprobs_and_entropy", "topk_logprobs"):
-        assert OPS[op].promise(lowest_vocab=2049) is NO_COPY
-        assert OPS[op].promise(lowest_vocab=1) is None  # vocabularies of 256 and fewer: none
+    for op in ("logprobs", "entropy", "logprobs_and_entropy", "topk_logprobs"):  # given logits: none
+        assert OPS[op].promise(lowest_vocab=2049) is None and OPS[op].promise(lowest_vocab=1) is None
     assert OPS["shard_stats"].promise() is None
     # a reading: growth beyond the gradients against the float32 logits' growth, MEMORY_NOISE forgiven
     logits = (4096 - 16) * 32768 * 4
@@ -137,16 +136,11 @@ def test_without_a_ranking_and_for_the_other_ops_given_hidden_states(tuned):
 
 
 def test_the_logits_ops_rule_and_where_nothing_keeps_it(tuned):
-    # V 257-2048: a ranking preferring naive (which copies the logits) gives the fastest keeping it
+    # given logits there is no promise: a ranking preferring naive (which copies them) is followed
     tuned({cache.key_string("logprobs", "cpu", torch.float32, False, 2048):
            cache.Entry({"naive": 0.001, "chunked": 0.002, "compiled": 0.003}, vocab=1000)})
     report = lr.explain("logprobs", device="cpu", shape=(3, 1000))
-    assert report.chosen == "chunked"
-    assert report["naive"].why.startswith("breaks the memory promise of logprobs (no (N, V) temporary beyond the "
-                                          "gradient)")
-    # 256 and fewer: no promise (a copy costs less than avoiding it): naive, as before
-    small = lr.explain("logprobs", device="cpu", shape=(3, 100))
-    assert small.chosen == "naive" and small["naive"].memory == "" and "memory promise" not in str(small)
+    assert report.chosen == "naive" and "memory promise" not in str(report)
     # the fused op at V <= 256: the backends keeping it declare min_vocab, so nothing keeping it is
     # eligible and naive runs, explain saying so
     tiny = lr.explain("logprobs_from_hidden", device="cpu", shape=(3, 100), hidden_size=40)
