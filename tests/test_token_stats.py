@@ -269,7 +269,7 @@ def test_chunked_keeps_and_forms_no_logits_sized_tensor(options, monkeypatch):
     """chunked's token_stats keeps a few numbers per row for backward (logits), and forms no (N, V)
     tensor in forward or backward (hidden states): the memory grows far less than the logits."""
     monkeypatch.setenv(chunked_hidden.CHUNK_BYTES_ENV, str(128 * 128 * 4))  # tiles of 128 rows at both sizes
-    v, h = 2048, 64
+    v, h = 4096, 64  # (a truncated call keeps its top-k per row, ~0.8 KB: at 2048 columns that was 0.1x the logits)
     sizes, retained, peaks = (256, 2048), [], []
     weight = torch.randn(v, h, generator=torch.Generator().manual_seed(2)) * 0.2
     for n in sizes:
