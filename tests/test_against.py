@@ -205,3 +205,29 @@ def test_liger_conventions_name_the_missing_package(capsys):
         assert main(["check", "--against", "liger_kernel.transformers.functional:liger_fused_linear_cross_entropy",
                      "--signature", signature]) == 2
         assert "pip install 'liger-kernel'" in capsys.readouterr().err
+
+
+def _flsce_like(hidden, weight, target, temperature, ignore_index, m_tiles_per_cluster, return_entropy):
+    """Liger's FLSCE calling convention (nll, and the entropy), in float64."""
+    logp = torch.log_softmax((hidden.double() @ weight.double().T) / temperature, dim=-1)
+    nll = -logp.gather(-1, target[:, None])[:, 0]
+    nll = nll.masked_fill(target == ignore_index, 0.0).float()
+    return (nll, -(logp.exp() * logp).sum(-1).float()) if return_entropy else nll
+
+
+def test_liger_flsce_convention_maps_temperature_entropy_and_ignored_rows():
+    """liger-flsce hands Liger's fused linear *scaled* cross-entropy the temperature and asks for its
+    entropy; ignored rows get label 0 (the entropy is the row's) and log-probability 0; a bias is refused."""
+    op = backend_for(_flsce_like, CONVENTIONS["liger-flsce"], "against-flsce").ops["logprobs_from_hidden"]
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 3, 8, generator=g), torch.randn(40, 8, generator=g)
+    labels = torch.randint(0, 40, (2, 3), generator=g)
+    labels[0, 1] = -100
+    logp, ent = op(hidden, weight, labels, bias=None, temperature=0.7, ignore_index=-100, return_entropy=True)
+    z = torch.log_softmax((hidden.double() @ weight.double().T) / 0.7, dim=-1)
+    expected = z.gather(-1, labels.clamp(min=0)[..., None])[..., 0].masked_fill(labels == -100, 0.0)
+    torch.testing.assert_close(logp.double(), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.double(), -(z.exp() * z).sum(-1), rtol=0, atol=1e-5)
+    assert logp[0, 1] == 0 and ent[0, 1] != 0
+    with pytest.raises(NotExpressible, match="takes no bias"):
+        op(hidden, weight, labels, bias=torch.zeros(40), temperature=1.0, ignore_index=-100, return_entropy=False)

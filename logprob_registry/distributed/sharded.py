@@ -343,10 +343,8 @@ _DIFFERENTIABLE = ("logprobs", "entropy", "raw_logprobs", "raw_entropy")
 
 class Stats(Logits):
     """token_stats' side: :class:`Logits` with the entropy always computed, the token statistics'
-    extra columns, the raw fields and their merge.
-    ``token_stats(..., process_group=...)``: every field of :class:`~logprob_registry.TokenStats`
-    over vocabulary shards; its plans (:data:`PLANS`) and its side of the skeleton (:class:`Stats`, the
-    logits side of :mod:`.sharded` with more statistics).
+    extra columns, the raw fields and their merge: every field of :class:`~logprob_registry.TokenStats`
+    over vocabulary shards, for ``token_stats(..., process_group=...)`` (its plans: ``_STATS_PLANS``).
 
     The shard op ``shard_token_stats`` (``hidden_shard_token_stats``) is ``shard_stats`` with, in the
     same pass, two more exact sums per grid tile (``sum e**2``, ``sum z``) and, per row, the shard's max

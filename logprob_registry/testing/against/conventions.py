@@ -188,21 +188,30 @@ def _liger_ce(fn):
     return {"logprobs": logprobs}
 
 
-def _liger_flce(softcap: bool):
-    name = "liger-flsce" if softcap else "liger-flce"
+def _liger_flce(fn):
+    def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy):
+        _no_temperature("liger-flce", temperature)
+        _no_entropy("liger-flce", return_entropy)
+        h, y = _flat(hidden, labels)
+        index, keep = _labels(y, ignore_index)
+        loss = fn(h, weight, index, bias=bias, reduction="none")
+        return _finish(-loss, keep, hidden.dtype, labels.shape)
 
-    def adapt(fn):
-        def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy):
-            _no_temperature(name, temperature)
-            _no_entropy(name, return_entropy)
-            h, y = _flat(hidden, labels)
-            index, keep = _labels(y, ignore_index)
-            loss = fn(h, weight, index, bias=bias, reduction="none")
-            return _finish(-loss, keep, hidden.dtype, labels.shape)
+    return {"logprobs_from_hidden": logprobs_from_hidden}
 
-        return {"logprobs_from_hidden": logprobs_from_hidden}
 
-    return adapt
+def _liger_flsce(fn):
+    def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy):
+        _no_bias("liger-flsce", bias)
+        h, y = _flat(hidden, labels)
+        index, keep = _labels(y, ignore_index)
+        # no ignore_index given: the ignored rows get label 0 (their entropy is kept), zeroed after
+        outs = fn(h, weight, index, temperature, -100, 1, return_entropy)
+        nll, ent = outs if return_entropy else (outs, None)
+        logp = _finish(-nll, keep, hidden.dtype, labels.shape)
+        return (logp, _finish(ent, None, hidden.dtype, labels.shape)) if return_entropy else logp
+
+    return {"logprobs_from_hidden": logprobs_from_hidden}
 
 
 CONVENTIONS: Dict[str, Convention] = {}
@@ -266,18 +275,18 @@ for _c in (
         requires=("liger-kernel",),
         example="liger_kernel.transformers.functional:liger_cross_entropy"),
     Convention(
-        "liger-flce", ("logprobs_from_hidden",), _liger_flce(False),
+        "liger-flce", ("logprobs_from_hidden",), _liger_flce,
         "liger_fused_linear_cross_entropy(input (N, H), weight (V, H), target (N,), bias=, reduction='none') "
         "-> loss; log-probability = -loss",
         expresses=("bias", "ignore_index (applied around the call)"), cannot=("temperature", "entropy"),
         requires=("liger-kernel",),
         example="liger_kernel.transformers.functional:liger_fused_linear_cross_entropy"),
     Convention(
-        "liger-flsce", ("logprobs_from_hidden",), _liger_flce(True),
-        "as liger-flce, for Liger's fused-linear functions that take the same keywords (its softcap variant "
-        "called with softcap=None)",
-        expresses=("bias", "ignore_index (applied around the call)"), cannot=("temperature", "entropy"),
+        "liger-flsce", ("logprobs_from_hidden",), _liger_flsce,
+        "LigerFusedLinearScaledCrossEntropyFunction.apply(input (N, H), weight (V, H), target (N,), temperature, "
+        "ignore_index, m_tiles_per_cluster, return_entropy) -> nll or (nll, entropy); log-probability = -nll",
+        expresses=("temperature", "entropy", "ignore_index (applied around the call)"), cannot=("bias",),
         requires=("liger-kernel",),
-        example="liger_kernel.transformers.functional:liger_fused_linear_cross_entropy"),
+        example="liger_kernel.ops.fused_linear_scaled_cross_entropy:LigerFusedLinearScaledCrossEntropyFunction.apply"),
 ):
     register_convention(_c)
