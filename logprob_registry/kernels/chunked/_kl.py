@@ -140,6 +140,22 @@ def _pad(tiles: Tiles, n: int, r0: int) -> int:
     return tiles.rows if tiles.fixed else max(k, MIN_GEMM_ROWS)
 
 
+def _walk(tiles: Tiles, n: int, v: int, *blocks):
+    """The tile loop: each block of columns ``v0:v1`` (each of ``blocks`` started on it, and ended
+    after its rows where it has ``end_block``), each padded block of rows in it: ``(v0, v1, r0, pad,
+    sl)``, ``sl`` the rows' slice of the per-row state."""
+    for v0 in range(0, v, tiles.cols):
+        v1 = min(v, v0 + tiles.cols)
+        for b in blocks:
+            b.start_block(v0, v1)
+        for r0 in range(0, n, tiles.rows):
+            pad = _pad(tiles, n, r0)
+            yield v0, v1, r0, pad, slice(r0, r0 + pad)
+        for b in blocks:
+            if hasattr(b, "end_block"):
+                b.end_block(v0, v1)
+
+
 def _safe(m: torch.Tensor) -> torch.Tensor:
     return m.masked_fill(m == float("-inf"), 0.0)
 
@@ -184,26 +200,20 @@ def _forward(s: _Side, t: _Side, reverse: bool, tiles: Tiles):
     size = n + tiles.rows
     os_, ot = _Online(size, dev, cd), _Online(size, dev, cd)
     u = torch.zeros(size, device=dev, dtype=cd)  # sum of exp(z_w - m_w) * (z_w - z_other)
-    for v0 in range(0, v, tiles.cols):
-        v1 = min(v, v0 + tiles.cols)
-        s.start_block(v0, v1)
-        t.start_block(v0, v1)
-        for r0 in range(0, n, tiles.rows):
-            pad = _pad(tiles, n, r0)
-            sl = slice(r0, r0 + pad)
-            a = s.tile(r0, pad, v0, v1)
-            b = t.tile(r0, pad, v0, v1)
-            # the other side first: its exp(z - m) is summed and freed before the weighing side's
-            if reverse:
-                ot.add(sl, b, keep=False)
-                es, alpha = os_.add(sl, a)
-                d = _mul_zero(a.sub_(b), es)
-            else:
-                os_.add(sl, a, keep=False)
-                et, alpha = ot.add(sl, b)
-                d = _mul_zero(b.sub_(a), et)
-            u[sl] = u[sl] * alpha + d.sum(1)
-            del a, b, d
+    for v0, v1, r0, pad, sl in _walk(tiles, n, v, s, t):
+        a = s.tile(r0, pad, v0, v1)
+        b = t.tile(r0, pad, v0, v1)
+        # the other side first: its exp(z - m) is summed and freed before the weighing side's
+        if reverse:
+            ot.add(sl, b, keep=False)
+            es, alpha = os_.add(sl, a)
+            d = _mul_zero(a.sub_(b), es)
+        else:
+            os_.add(sl, a, keep=False)
+            et, alpha = ot.add(sl, b)
+            d = _mul_zero(b.sub_(a), et)
+        u[sl] = u[sl] * alpha + d.sum(1)
+        del a, b, d
     lse_s, lse_t = os_.lse(n), ot.lse(n)
     # lse_s - lse_t without the cancellation of two large numbers
     gap = (_safe(os_.m[:n]) - _safe(ot.m[:n])) + (os_.s[:n].log() - ot.s[:n].log())
@@ -240,33 +250,21 @@ def _jsd_forward(s: _Side, t: _Side, beta: float, tiles: Tiles):
     dev = s.x.device
     size = n + tiles.rows
     os_, ot = _Online(size, dev, cd), _Online(size, dev, cd)
-    for v0 in range(0, v, tiles.cols):
-        v1 = min(v, v0 + tiles.cols)
-        s.start_block(v0, v1)
-        t.start_block(v0, v1)
-        for r0 in range(0, n, tiles.rows):
-            pad = _pad(tiles, n, r0)
-            sl = slice(r0, r0 + pad)
-            os_.add(sl, s.tile(r0, pad, v0, v1), keep=False)
-            ot.add(sl, t.tile(r0, pad, v0, v1), keep=False)
+    for v0, v1, r0, pad, sl in _walk(tiles, n, v, s, t):
+        os_.add(sl, s.tile(r0, pad, v0, v1), keep=False)
+        ot.add(sl, t.tile(r0, pad, v0, v1), keep=False)
     stats = (_safe(os_.m), os_.s.log(), _safe(ot.m), ot.s.log())
     ut = torch.zeros(size, device=dev, dtype=cd)  # sum pt (log pt - log m)
     us = torch.zeros(size, device=dev, dtype=cd)  # sum ps (log ps - log m)
-    for v0 in range(0, v, tiles.cols):
-        v1 = min(v, v0 + tiles.cols)
-        s.start_block(v0, v1)
-        t.start_block(v0, v1)
-        for r0 in range(0, n, tiles.rows):
-            pad = _pad(tiles, n, r0)
-            sl = slice(r0, r0 + pad)
-            ls = _log_probs(s.tile(r0, pad, v0, v1), stats[0], stats[1], sl)
-            lt = _log_probs(t.tile(r0, pad, v0, v1), stats[2], stats[3], sl)
-            lm = _log_mixture(ls, lt, beta)
-            p = lt.exp()
-            ut[sl] += _mul_zero(lt.sub_(lm), p).sum(1)
-            torch.exp(ls, out=p)
-            us[sl] += _mul_zero(ls.sub_(lm), p).sum(1)
-            del ls, lt, lm, p
+    for v0, v1, r0, pad, sl in _walk(tiles, n, v, s, t):
+        ls = _log_probs(s.tile(r0, pad, v0, v1), stats[0], stats[1], sl)
+        lt = _log_probs(t.tile(r0, pad, v0, v1), stats[2], stats[3], sl)
+        lm = _log_mixture(ls, lt, beta)
+        p = lt.exp()
+        ut[sl] += _mul_zero(lt.sub_(lm), p).sum(1)
+        torch.exp(ls, out=p)
+        us[sl] += _mul_zero(ls.sub_(lm), p).sum(1)
+        del ls, lt, lm, p
     jsd = beta * ut[:n] + (1 - beta) * us[:n]
     return jsd, tuple(x[:n] for x in stats) + ((1 - beta) * us[:n],)
 
@@ -345,35 +343,27 @@ def _backward(s: _Side, t: _Side, direction: str, beta: Optional[float], tiles: 
     else:
         lse_s, lse_t, mean = stats
     dead = coef == 0  # masked rows and padding: exactly 0, whatever their logits
-    for v0 in range(0, v, tiles.cols):
-        v1 = min(v, v0 + tiles.cols)
-        s.start_block(v0, v1)
-        t.start_block(v0, v1)
-        grads.start_block(v0, v1)
-        for r0 in range(0, n, tiles.rows):
-            pad = _pad(tiles, n, r0)
-            sl = slice(r0, r0 + pad)
-            h = s.hidden_rows(r0, pad) if s.w is not None else None
-            a = s.tile(r0, pad, v0, v1, h)
-            b = t.tile(r0, pad, v0, v1)
-            if jsd:
-                # ps (g - E_ps[g]), g = (1 - beta) (log ps - log m); 0 where ps is 0
-                ls = _log_probs(a, stats[0], stats[1], sl)
-                lm = _log_mixture(ls, _log_probs(b, stats[2], stats[3], sl), beta)
-                ps = torch.exp(ls, out=b)
-                dz = _mul_zero(ls.sub_(lm).mul_(1 - beta).sub_(mean[sl].unsqueeze(1)), ps)
-                del lm
-            elif reverse:
-                # ps ((a - b) - E_ps[a - b]); 0 where ps is 0
-                ps = a.sub(lse_s[sl].unsqueeze(1)).exp_()
-                dz = _mul_zero(a.sub_(b).sub_(mean[sl].unsqueeze(1)), ps)
-            else:
-                ps = a.sub(lse_s[sl].unsqueeze(1)).exp_()
-                dz = ps.sub_(b.sub_(lse_t[sl].unsqueeze(1)).exp_())
-            dz.mul_(coef[sl].unsqueeze(1)).masked_fill_(dead[sl].unsqueeze(1), 0.0)
-            grads.add(r0, pad, v0, v1, dz, h)
-            del a, b, ps, dz
-        grads.end_block(v0, v1)
+    for v0, v1, r0, pad, sl in _walk(tiles, n, v, s, t, grads):
+        h = s.hidden_rows(r0, pad) if s.w is not None else None
+        a = s.tile(r0, pad, v0, v1, h)
+        b = t.tile(r0, pad, v0, v1)
+        if jsd:
+            # ps (g - E_ps[g]), g = (1 - beta) (log ps - log m); 0 where ps is 0
+            ls = _log_probs(a, stats[0], stats[1], sl)
+            lm = _log_mixture(ls, _log_probs(b, stats[2], stats[3], sl), beta)
+            ps = torch.exp(ls, out=b)
+            dz = _mul_zero(ls.sub_(lm).mul_(1 - beta).sub_(mean[sl].unsqueeze(1)), ps)
+            del lm
+        elif reverse:
+            # ps ((a - b) - E_ps[a - b]); 0 where ps is 0
+            ps = a.sub(lse_s[sl].unsqueeze(1)).exp_()
+            dz = _mul_zero(a.sub_(b).sub_(mean[sl].unsqueeze(1)), ps)
+        else:
+            ps = a.sub(lse_s[sl].unsqueeze(1)).exp_()
+            dz = ps.sub_(b.sub_(lse_t[sl].unsqueeze(1)).exp_())
+        dz.mul_(coef[sl].unsqueeze(1)).masked_fill_(dead[sl].unsqueeze(1), 0.0)
+        grads.add(r0, pad, v0, v1, dz, h)
+        del a, b, ps, dz
 
 
 # ------------------------------------------------------------------------------ support
@@ -398,19 +388,14 @@ def _buckets_forward(side: _Side, support: torch.Tensor, tiles: Tiles):
     sup[n:] = -1
     on = _Online(size, dev, cd)
     got = torch.zeros(size, k, device=dev, dtype=cd)
-    for v0 in range(0, v, tiles.cols):
-        v1 = min(v, v0 + tiles.cols)
-        side.start_block(v0, v1)
-        for r0 in range(0, n, tiles.rows):
-            pad = _pad(tiles, n, r0)
-            sl = slice(r0, r0 + pad)
-            z = side.tile(r0, pad, v0, v1)
-            ids = sup[sl]
-            inside = (ids >= v0) & (ids < v1)
-            col = (ids - v0).clamp_(0, v1 - v0 - 1)
-            got[sl] = torch.where(inside, z.gather(1, col), got[sl])
-            on.add(sl, z, _hits(z, ids, inside, v0))
-            del z
+    for v0, v1, r0, pad, sl in _walk(tiles, n, v, side):
+        z = side.tile(r0, pad, v0, v1)
+        ids = sup[sl]
+        inside = (ids >= v0) & (ids < v1)
+        col = (ids - v0).clamp_(0, v1 - v0 - 1)
+        got[sl] = torch.where(inside, z.gather(1, col), got[sl])
+        on.add(sl, z, _hits(z, ids, inside, v0))
+        del z
     return got[:n], on.lse(n)
 
 
@@ -431,25 +416,18 @@ def _buckets_backward(s: _Side, support: torch.Tensor, tail_lse: torch.Tensor, g
         gg[:n].masked_fill_(~keep.unsqueeze(1), 0.0)
         gt[:n].masked_fill_(~keep, 0.0)
     dead = gt == 0
-    for v0 in range(0, v, tiles.cols):
-        v1 = min(v, v0 + tiles.cols)
-        s.start_block(v0, v1)
-        grads.start_block(v0, v1)
-        for r0 in range(0, n, tiles.rows):
-            pad = _pad(tiles, n, r0)
-            sl = slice(r0, r0 + pad)
-            h = s.hidden_rows(r0, pad) if s.w is not None else None
-            z = s.tile(r0, pad, v0, v1, h)
-            ids = sup[sl]
-            inside = (ids >= v0) & (ids < v1)
-            col = (ids - v0).clamp_(0, v1 - v0 - 1)
-            # the tail's share: g_tail exp(z - lse_tail) over the complement
-            dz = z.sub_(lse[sl].unsqueeze(1)).exp_().mul_(gt[sl].unsqueeze(1))
-            dz.masked_fill_(dead[sl].unsqueeze(1) | _hits(dz, ids, inside, v0), 0.0)
-            dz.scatter_add_(1, col, torch.where(inside, gg[sl], torch.zeros((), device=dev, dtype=cd)))
-            grads.add(r0, pad, v0, v1, dz, h)
-            del z, dz
-        grads.end_block(v0, v1)
+    for v0, v1, r0, pad, sl in _walk(tiles, n, v, s, grads):
+        h = s.hidden_rows(r0, pad) if s.w is not None else None
+        z = s.tile(r0, pad, v0, v1, h)
+        ids = sup[sl]
+        inside = (ids >= v0) & (ids < v1)
+        col = (ids - v0).clamp_(0, v1 - v0 - 1)
+        # the tail's share: g_tail exp(z - lse_tail) over the complement
+        dz = z.sub_(lse[sl].unsqueeze(1)).exp_().mul_(gt[sl].unsqueeze(1))
+        dz.masked_fill_(dead[sl].unsqueeze(1) | _hits(dz, ids, inside, v0), 0.0)
+        dz.scatter_add_(1, col, torch.where(inside, gg[sl], torch.zeros((), device=dev, dtype=cd)))
+        grads.add(r0, pad, v0, v1, dz, h)
+        del z, dz
 
 
 class _Buckets(torch.autograd.Function):
