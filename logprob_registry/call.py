@@ -33,6 +33,8 @@ _CANDIDATES = frozenset({"candidates"})
 _PER_ROW = frozenset({PER_ROW})
 #: The feature of an op of the form "either" given hidden states with their weight (token_stats').
 _HIDDEN_INPUTS = frozenset({"stats_hidden"})
+#: what a hidden size in :func:`key_for` means, by the op's form: the feature of hidden-state inputs
+_HIDDEN_SIZE_MEANS = {"either": _HIDDEN_INPUTS, "sides": frozenset({"kl_hidden"})}
 
 
 def _ordered(sampler: Sampler) -> bool:
@@ -49,10 +51,10 @@ def key_for(op: str, *, device: Union[str, torch.device, None] = None, dtype: Op
     (None: not known; only its bucket matters) and, for an op given hidden states
     (``logprobs_from_hidden``, ``kl_divergence`` with a ``*_weight``), of ``hidden_size`` (None: not
     known; only its bucket matters, and only for those ops: other ops' keys never hold one). For an
-    op given logits or hidden states (``token_stats``), a ``hidden_size`` means hidden states: the
-    key needs their feature (``stats_hidden``)."""
-    if get_spec(op).form == "either" and hidden_size is not None:
-        features = frozenset(features) | _HIDDEN_INPUTS
+    op given logits or hidden states, a ``hidden_size`` means hidden states: the key needs their
+    feature (``token_stats``: ``stats_hidden``; ``kl_divergence``: ``kl_hidden``)."""
+    if hidden_size is not None:
+        features = frozenset(features) | _HIDDEN_SIZE_MEANS.get(get_spec(op).form, frozenset())
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
     if device is None:

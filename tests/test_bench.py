@@ -544,3 +544,16 @@ def test_percent_of_peak_bandwidth_on_an_accelerator(monkeypatch):
     for key in (("Some GPU", None), (None, 2400.0)):
         run, table = tables[key]
         assert "% of peak" not in table and "bandwidth_fraction" not in run["results"][0]
+
+
+def test_backend_names_filter_the_external_methods_too(monkeypatch):
+    """``--backend NAME`` measures the baseline and what it names: an external method (Liger's KL)
+    only when named, and naming one is accepted."""
+    from logprob_registry.benchmark import session, workload
+
+    s = st.Setting(op="kl_divergence", device="cpu", dtype="float32", shape=(2, 3, 40))
+    monkeypatch.setitem(workload.EXTERNAL, "test-external", ("a stand-in", lambda s: True, None))
+    every = [m["name"] for m in session.methods(s, ())[0]]
+    assert "test-external" in every and "naive" in every
+    assert [m["name"] for m in session.methods(s, ("naive",))[0]] == ["baseline", "naive"]
+    assert [m["name"] for m in session.methods(s, ("test-external",))[0]] == ["baseline", "test-external"]

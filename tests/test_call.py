@@ -155,3 +155,16 @@ def test_other_calls_take_the_full_validation(change):
 def test_a_plain_looking_call_with_a_bad_argument_gets_the_full_validations_error(change, error):
     with pytest.raises((ValueError, TypeError), match=error):
         validate("logprobs", dict(PLAIN[0][1], **change))
+
+
+def test_a_hidden_size_in_key_for_means_hidden_states_where_an_op_takes_either():
+    """key_for(hidden_size=H) is the key a call given hidden states of width H makes: token_stats
+    needs stats_hidden, kl_divergence kl_hidden; the logits ops' keys hold no hidden size."""
+    h, w = torch.randn(4, 8), torch.randn(50, 8)
+    logits = torch.randn(4, 50)
+    stats = validate("token_stats", dict(inputs=h, labels=torch.randint(0, 50, (4,)), weight=w))
+    assert stats.key == key_for("token_stats", device="cpu", vocab=50, hidden_size=8)
+    kl = validate("kl_divergence", dict(student=h, teacher=logits, student_weight=w))
+    assert kl.key == key_for("kl_divergence", device="cpu", vocab=50, hidden_size=8)
+    assert "kl_hidden" in kl.key.features and "stats_hidden" in stats.key.features
+    assert key_for("logprobs", device="cpu", hidden_size=8) == key_for("logprobs", device="cpu")

@@ -229,8 +229,9 @@ def methods(s: Setting, only: Sequence[str], undeclared: bool = False) -> Tuple[
     names = [c.name for c in expl.candidates if c.reason is None and c.broken is None]
     beyond = [c.name for c in expl.candidates if undeclared and c.reason is not None
               and _only_the_dtype(backends[c.name], expl.key, registry.environment())]
+    external = external_methods(s)
     for name in only:
-        if name not in names and name not in beyond:
+        if name not in names and name not in beyond and name not in dict(external):
             try:
                 why = expl[name].reason or expl[name].broken or "not eligible"
             except KeyError as exc:
@@ -238,12 +239,13 @@ def methods(s: Setting, only: Sequence[str], undeclared: bool = False) -> Tuple[
             hint = ("; --undeclared measures it anyway" if _only_the_dtype(backends[name], expl.key,
                                                                           registry.environment()) else "")
             raise BenchError(f"--backend {name} cannot run {expl.key.describe()}: {why}{hint}")
-    if only:
+    if only:  # the named backends and external methods; the baseline always runs
         names, beyond = [n for n in names if n in only], [n for n in beyond if n in only]
+        external = [(n, doc) for n, doc in external if n in only]
     found = [dict(name=BASELINE, kind="baseline", description=baseline_description(s), priority=None,
                   origin=None, automatic_choice=False)]
     found += [dict(name=n, kind="external", description=doc, priority=None, origin=None, automatic_choice=False)
-              for n, doc in external_methods(s)]
+              for n, doc in external]
     for n in names:
         b = backends[n]
         found.append(dict(name=n, kind="backend", description=b.description, priority=b.priority,

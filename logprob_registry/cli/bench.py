@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --backward: pass inplace_backward=True to the ops that take it "
                              "(each call gets a fresh copy of the logits)")
     parser.add_argument("--backend", action="append", default=[], metavar="NAME",
-                        help="measure only these backends (default: every eligible one); the baseline always runs")
+                        help="measure only these backends or external methods (default: every eligible one); "
+                             "the baseline always runs")
     parser.add_argument("--undeclared", action="store_true",
                         help="also measure backends whose only 'no' is the input dtype, which they do not declare "
                              "(peers such as plugins/trl declaring float32 only): their kernel runs on the validated "
