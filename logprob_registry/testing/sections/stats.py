@@ -23,6 +23,7 @@ from logprob_registry.numerics import assert_close, hidden_magnitude, tolerances
 from logprob_registry.opspec import OPS
 
 from ..harness import Harness
+from ._common import autocast
 from ._coverage import covers
 
 OP = "token_stats"
@@ -217,6 +218,34 @@ class StatsSection:
                 scale = float(b.abs().max()) if b.numel() else 0.0
                 assert_close(a, b, 4 * tol * (1.0 + scale),
                              f"{OP} {form} {options}: the gradient of {name} with {', '.join(used)} in the loss")
+
+    @covers(OP, grad=True, by_param=dict(form=HIDDEN_CASES))
+    @pytest.mark.parametrize("form", ["logits", "hidden-bias"])
+    def test_stats_autocast(self, lp: Harness, form: str) -> None:
+        """Under ``torch.autocast`` (bf16, or fp16 on a CUDA device without bf16) the float32 inputs'
+        fields and the gradients of the differentiable ones, the backward inside the region, are
+        those without autocast: float32 results within the contract of float64."""
+        _require(lp, grad=True, form=form)
+        x, labels, inputs, z64 = _case(lp, "float32" if form == "logits" else form, seed=9)
+        leaves = {"inputs": x, **inputs}
+        mine = {k: v.detach().clone().requires_grad_(True) for k, v in leaves.items()}
+        ref = {k: v.detach().cpu().double().requires_grad_(True) for k, v in leaves.items()}
+        kw = dict(temperature=TEMPERATURE)
+        want = _truth(ref["inputs"], labels, outputs=FIELDS, **{k: ref[k] for k in inputs}, **kw)
+        g = torch.Generator().manual_seed(11)
+        ups = {n: torch.randn(tuple(want[n].shape), generator=g, dtype=torch.float64) for n in DIFFERENTIABLE}
+        with autocast(lp):
+            got = _call(lp, mine["inputs"], labels, outputs=FIELDS, **{k: mine[k] for k in inputs}, **kw)
+            grads = torch.autograd.grad(_finite_sum(got._asdict(), ups, want), list(mine.values()))
+        bound = hidden_magnitude(x, inputs["weight"], inputs["bias"]) if inputs else None
+        tols = _tolerances(z64, dict(outputs=FIELDS, **kw), bound)
+        _check_fields(got, {k: v.detach() for k, v in want.items()}, tols, x, f"{OP} {form} under autocast")
+        refs = torch.autograd.grad(_finite_sum(want, ups, want), list(ref.values()))
+        tol = max(tols[n] for n in DIFFERENTIABLE)
+        for name, a, b in zip(mine, grads, refs):
+            assert a.dtype == torch.float32, f"{OP} {form}: the gradient of {name} under autocast is {a.dtype}"
+            scale = float(b.abs().max()) if b.numel() else 0.0
+            assert_close(a, b, 4 * tol * (1.0 + scale), f"{OP} {form}: the gradient of {name} under autocast")
 
     @covers(OP, grad=True, by_param=dict(form=HIDDEN_CASES))
     @pytest.mark.parametrize("form", ["logits", "hidden-bias"])
