@@ -129,6 +129,19 @@ def test_a_plain_call_is_the_call_the_full_validation_makes(monkeypatch, op, giv
         assert list(fast.options) == list(full.options) and fast.sampler is full.sampler
 
 
+def test_a_backend_receiving_every_option_gets_the_calls_own_options():
+    """backend_options: a validated call's options as they are for a backend declaring every
+    feature (no copy on the hot path), those it declares for another, defaults for what is missing."""
+    spec = OPS["logprobs"]
+    call = validate("logprobs", dict(logits=_logits(3, 40), labels=torch.randint(0, 40, (3,)), temperature=0.5))
+    every = frozenset(o.feature for o in spec.options if o.feature is not None)
+    assert spec.backend_options(every, call.options) is call.options
+    plain = spec.backend_options(frozenset(), call.options)
+    assert plain == {o.name: call.options[o.name] for o in spec.options if o.feature is None}
+    assert spec.backend_options(every, {"temperature": 0.5}) == {o.name: 0.5 if o.name == "temperature" else o.default
+                                                                  for o in spec.options}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_naives_plain_call_is_the_reference_bitwise(monkeypatch, dtype):
     """naive's branch for a plain call (the reference's three torch ops, without its layers: issue
