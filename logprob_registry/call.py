@@ -300,14 +300,35 @@ def _plain_rules(spec: OpSpec) -> Optional[Tuple[bool, dict]]:
     return found[1]
 
 
+def _plain_key(lookup: Tuple[str, torch.device, torch.dtype, bool, int]) -> Optional[Key]:
+    """The Key of a plain call ``(op, device, dtype, grad, vocab)``, kept in ``_PLAIN_KEYS``; None
+    where the call is not plain (logits not floating point, an empty vocabulary, the meta device)."""
+    name, device, dtype, grad, vocab = lookup
+    if not dtype.is_floating_point or vocab == 0 or device.type == "meta":
+        return None
+    if len(_PLAIN_KEYS) > 4096:  # a bound for a process that sees many devices and vocabularies
+        _PLAIN_KEYS.clear()
+    key = _PLAIN_KEYS[lookup] = Key(name, device.type, dtype, grad, frozenset(), vocab_bucket(vocab), 0)
+    return key
+
+
+# Bound once: each is asked on every plain call (issue #36, a small call near torch).
+_is_grad_enabled = torch.is_grad_enabled
+_traced = v.traced
+_in_transform = v.inside_functorch_transform
+
+
 def _plain(spec: OpSpec, given: Mapping[str, Any]) -> Optional[Call]:
     """The :class:`Call` of a plain call (logits, and labels of the positions' shape; temperature a
     float, ignore_index an int or None, inplace_backward a bool; no sampler keyword, logit_scale,
     process_group or vocab_start; not traced, not in a torch.func transform), made with checks of
     types and shapes and the labels' range; None for any other call, and for one that a check of
     :func:`validate` would refuse (which then raises the error that says why). It is the Call the
-    full validation makes (tests/test_call.py compares them): issue #36, a small call near torch."""
-    rules = _plain_rules(spec)
+    full validation makes (tests/test_call.py compares them): issue #36, a small call near torch.
+    Its Key is cached by ``(op, device, dtype, grad, vocab)``: one lookup stands for the checks of
+    the logits' dtype, vocabulary and device (``device.type`` alone costs 0.3 us)."""
+    rules = _PLAIN_RULES.get(spec.name)
+    rules = rules[1] if rules is not None and rules[0] is spec else _plain_rules(spec)
     get = given.get
     if rules is None or not (get("softcap") is None and get("top_k") is None and get("top_p") is None
                              and get("min_p") is None and get("keep") is None and get("logit_scale") is None
@@ -316,20 +337,24 @@ def _plain(spec: OpSpec, given: Mapping[str, Any]) -> Optional[Call]:
     order = get("sampler")
     if order is not None and not (order.__class__ is str and order == "vllm"):
         return None
-    with_labels, options = rules
-    options = dict(options)
-    t = options["temperature"] = get("temperature", 1.0)
-    if t.__class__ is not float or not 0.0 < t < math.inf:
-        return None
+    t = get("temperature", 1.0)
     logits = get("logits")
-    if logits.__class__ is not torch.Tensor or not logits.is_floating_point() or logits.dim() == 0:
+    if (t.__class__ is not float or not 0.0 < t < math.inf or logits.__class__ is not torch.Tensor
+            or _traced() or _in_transform()):
         return None
     shape = logits.shape
+    if not shape:
+        return None
     vocab = shape[-1]
     device = logits.device
-    kind = device.type
-    if vocab == 0 or kind == "meta" or v.traced() or v.inside_functorch_transform():
+    grad = logits.requires_grad and _is_grad_enabled()
+    lookup = (spec.name, device, logits.dtype, grad, vocab)
+    key = _PLAIN_KEYS.get(lookup) or _plain_key(lookup)
+    if key is None:
         return None
+    with_labels, options = rules
+    options = options.copy()
+    options["temperature"] = t
     if with_labels:
         ignore = options["ignore_index"] = get("ignore_index")
         inplace = options["inplace_backward"] = get("inplace_backward", False)
@@ -337,10 +362,10 @@ def _plain(spec: OpSpec, given: Mapping[str, Any]) -> Optional[Call]:
             return None
         labels = get("labels")
         if (not (inplace is False or inplace is True) or labels.__class__ is not torch.Tensor
-                or labels.dtype not in v.LABEL_DTYPES or labels.shape != shape[:-1] or labels.device != device):
+                or labels.dtype not in v.LABEL_DTYPES or labels.device != device or labels.shape != shape[:-1]):
             return None
         values: Any = ()
-        if kind == "cpu" and labels.numel() <= v.SMALL_LABELS:  # in range: accepted at once (Python's min, max)
+        if key.device == "cpu" and labels.numel() <= v.SMALL_LABELS:  # in range: accepted at once (Python's min, max)
             values = (labels if labels.dim() == 1 else labels.reshape(-1)).tolist()
             if not values or (min(values) >= 0 and max(values) < vocab):
                 values = None
@@ -349,13 +374,6 @@ def _plain(spec: OpSpec, given: Mapping[str, Any]) -> Optional[Call]:
         inputs: Tuple[Any, ...] = (logits, labels)
     else:
         inputs = (logits,)
-    grad = logits.requires_grad and torch.is_grad_enabled()
-    lookup = (spec.name, kind, logits.dtype, grad, vocab)
-    key = _PLAIN_KEYS.get(lookup)
-    if key is None:
-        if len(_PLAIN_KEYS) > 4096:  # a bound for a process that sees many vocabularies
-            _PLAIN_KEYS.clear()
-        key = _PLAIN_KEYS[lookup] = Key(spec.name, kind, logits.dtype, grad, frozenset(), vocab_bucket(vocab), 0)
     return _new_call(Call, (spec.name, inputs, options, OFF, key.features, (grad,), key, vocab, get("backend"), None,
                             None))
 

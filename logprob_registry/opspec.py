@@ -371,7 +371,8 @@ class OpSpec:
     results: Tuple[Output, ...] = field(init=False, repr=False, compare=False)
     option_index: Dict[str, Option] = field(init=False, repr=False, compare=False)
     _featured: Tuple[Option, ...] = field(init=False, repr=False, compare=False)
-    _names: Dict[frozenset, Tuple[str, ...]] = field(init=False, repr=False, compare=False)
+    _names: Dict[frozenset, Tuple[Tuple[str, ...], Optional[frozenset]]] = field(init=False, repr=False,
+                                                                                compare=False)
 
     def __post_init__(self) -> None:
         results = tuple(o if isinstance(o, Output) else Output(o) for o in self.outputs)
@@ -384,7 +385,7 @@ class OpSpec:
             raise ValueError(f"op {self.name!r}: form must be one of {', '.join(FORMS)}, got {self.form!r}")
         object.__setattr__(self, "option_index", {o.name: o for o in self.options})
         object.__setattr__(self, "_featured", tuple(o for o in self.options if o.feature is not None))
-        object.__setattr__(self, "_names", {})  # backend features -> the option names it receives
+        object.__setattr__(self, "_names", {})  # backend features -> (the option names it receives, as a set if all)
 
     def output_names(self, options: Optional[Mapping[str, Any]] = None) -> Tuple[str, ...]:
         """The outputs a call returns (``logprobs_from_hidden`` returns the entropy only when
@@ -511,12 +512,17 @@ class OpSpec:
         used = [o.feature for o in self._featured if o.used(options.get(o.name, o.default))]
         return frozenset(used) if used else _NO_FEATURES
 
-    def backend_options(self, features: frozenset, options: Mapping[str, Any]) -> Dict[str, Any]:
-        """The keyword options a backend declaring ``features`` receives."""
-        names = self._names.get(features)
-        if names is None:
+    def backend_options(self, features: frozenset, options: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The keyword options a backend declaring ``features`` receives (to pass as ``**``; not to
+        modify: a backend that receives every option gets ``options`` itself, a validated call's
+        dict holding exactly the op's options, with no copy)."""
+        found = self._names.get(features)
+        if found is None:
             names = tuple(o.name for o in self.options if o.feature is None or o.feature in features)
-            self._names[features] = names
+            found = self._names[features] = (names, frozenset(names) if len(names) == len(self.options) else None)
+        names, every = found
+        if every is not None and options.keys() == every:
+            return options  # type: ignore[return-value]
         return {name: options.get(name, self.option_index[name].default) for name in names}
 
     def signature(self) -> str:

@@ -22,13 +22,16 @@ def inside_functorch_transform() -> bool:
         return False
 
 
-def traced() -> bool:
-    """Whether dynamo (``torch.compile``) is tracing this call. ``torch.compiler.is_compiling()``
-    will not do: it is one flag for the whole process, so it is also True in every other thread
-    while one thread compiles (the ``compiled`` backend's kernels, say), where the call runs
-    eagerly. ``is_dynamo_compiling()`` is False when it runs and True where dynamo traces it."""
-    check = getattr(torch.compiler, "is_dynamo_compiling", None)
-    return bool(check()) if check is not None else False
+def _never() -> bool:  # pragma: no cover - a torch without torch.compiler.is_dynamo_compiling
+    return False
+
+
+#: ``traced()``: whether dynamo (``torch.compile``) is tracing this call. ``torch.compiler.is_compiling()``
+#: will not do: it is one flag for the whole process, so it is also True in every other thread
+#: while one thread compiles (the ``compiled`` backend's kernels, say), where the call runs
+#: eagerly. ``is_dynamo_compiling()`` is False when it runs and True where dynamo traces it; it is
+#: ``traced`` itself, not wrapped (every call asks it, twice: issue #36).
+traced = getattr(torch.compiler, "is_dynamo_compiling", None) or _never
 
 
 def capturing(t: torch.Tensor) -> bool:

@@ -129,6 +129,35 @@ def test_a_plain_call_is_the_call_the_full_validation_makes(monkeypatch, op, giv
         assert list(fast.options) == list(full.options) and fast.sampler is full.sampler
 
 
+def test_a_backend_receiving_every_option_gets_the_calls_own_options():
+    """backend_options: a validated call's options as they are for a backend declaring every
+    feature (no copy on the hot path), those it declares for another, defaults for what is missing."""
+    spec = OPS["logprobs"]
+    call = validate("logprobs", dict(logits=_logits(3, 40), labels=torch.randint(0, 40, (3,)), temperature=0.5))
+    every = frozenset(o.feature for o in spec.options if o.feature is not None)
+    assert spec.backend_options(every, call.options) is call.options
+    plain = spec.backend_options(frozenset(), call.options)
+    assert plain == {o.name: call.options[o.name] for o in spec.options if o.feature is None}
+    assert spec.backend_options(every, {"temperature": 0.5}) == {o.name: 0.5 if o.name == "temperature" else o.default
+                                                                  for o in spec.options}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_naives_plain_call_is_the_reference_bitwise(monkeypatch, dtype):
+    """naive's branch for a plain call (the reference's three torch ops, without its layers: issue
+    #36) gives the reference's values and gradients bitwise, and is taken (the reference is not asked)."""
+    from logprob_registry import kit, reference
+    from logprob_registry.kernels import naive
+
+    logits, labels = _logits(4, 5, 33, grad=True).to(dtype), torch.randint(0, 33, (4, 5))
+    slow = reference.logprobs(logits, labels, dtype=dtype)
+    (slow_grad,) = torch.autograd.grad(slow.sum(), logits)
+    monkeypatch.setattr(kit, "reference_function", lambda op: pytest.fail("naive's plain call asked the reference"))
+    fast = naive.logprobs(logits, labels, temperature=1.0, ignore_index=None, inplace_backward=False)
+    (fast_grad,) = torch.autograd.grad(fast.sum(), logits)
+    assert fast.dtype == dtype and torch.equal(fast, slow) and torch.equal(fast_grad, slow_grad)
+
+
 @pytest.mark.parametrize("change", [
     dict(temperature=1), dict(temperature=torch.tensor(0.5)), dict(ignore_index=torch.tensor(-100)), dict(top_k=0),
     dict(softcap=30.0), dict(logit_scale=2.0), dict(sampler="hf"), dict(labels=torch.randint(0, 128, (8, 2))),

@@ -333,9 +333,13 @@ def test_broken_compiler_at_run_time_falls_back_with_one_warning(tmp_path):
 
 
 @pytest.mark.parametrize("inplace", [False, True])
-def test_backward_skips_rows_with_a_zero_upstream_gradient(inplace):
-    """Ignored labels and zero upstream gradients (GRPO's prompt rows): exact zeros there, and every
-    other row's gradient bitwise that of a call on those rows alone (the kernel is per row)."""
+def test_backward_skips_rows_with_a_zero_upstream_gradient(inplace, monkeypatch):
+    """Ignored labels and zero upstream gradients (GRPO's prompt rows): exact zeros there, every
+    other row's gradient bitwise that of a call on those rows alone (the kernel is per row), and the
+    gradient kernel sees the active rows only."""
+    seen = []
+    grad = _ops._grad
+    monkeypatch.setattr(_ops, "_grad", lambda rows, *a, **k: seen.append(rows.shape[0]) or grad(rows, *a, **k))
     g = torch.Generator().manual_seed(3)
     x = torch.randn(48, 700, generator=g) * 3
     y = torch.randint(0, 700, (48,), generator=g)
@@ -347,6 +351,7 @@ def test_backward_skips_rows_with_a_zero_upstream_gradient(inplace):
     (lp.sum() + (ent * up).sum()).backward()
     active = (y != -100) | (up != 0)
     assert bool((leaf.grad[~active] == 0).all()) and int((~active).sum()) > 0
+    assert seen == [int(active.sum())]
     sub = x[active].clone().requires_grad_(True)
     lp, ent = lr.logprobs_and_entropy(sub, y[active], ignore_index=-100, backend="compiled")
     (lp.sum() + (ent * up[active]).sum()).backward()

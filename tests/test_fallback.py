@@ -77,6 +77,41 @@ def test_automatic_choice_falls_back_with_one_warning(flaky, monkeypatch):
     assert lr.explain("logprobs", device="cpu", shape=logits.shape)["test-flaky"].status == "chosen"
 
 
+def test_a_cached_choice_failing_later_falls_back_and_so_does_its_replacement(flaky):
+    """A choice that ran (so cached: the common call's short path, issue #36) and fails on a later
+    call falls back as a first call does; when the replacement fails too, the next one runs, one
+    warning for each failure."""
+    runs = []
+
+    def later(logits, labels, **kwargs):
+        runs.append("test-later")
+        if len(runs) > 1:
+            raise RuntimeError("kernel exploded later")
+        return torch.zeros(labels.shape)
+
+    class Later:
+        @lr.hookimpl
+        def register_backends(self, register):
+            register(lr.Backend(name="test-later", ops={"logprobs": later}, priority=995))
+
+    registry = lr.get_registry()
+    registry.add_plugin(Later(), name="test-later-plugin")
+    try:
+        logits, labels = inputs()
+        assert torch.equal(lr.logprobs_from_logits(logits, labels), torch.zeros(3))
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            out = lr.logprobs_from_logits(logits, labels)
+        messages = [str(w.message) for w in record if issubclass(w.category, lr.BackendFallbackWarning)]
+        assert len(messages) == 2 and "'test-later' failed" in messages[0] and "'test-flaky' failed" in messages[1]
+        torch.testing.assert_close(out, torch.log_softmax(logits, -1).gather(-1, labels[:, None])[:, 0])
+        assert runs == ["test-later"] * 2 and calls == ["test-flaky"]
+        assert set(registry.broken()[lr.explain("logprobs", device="cpu", shape=logits.shape).key]) == {
+            "test-later", "test-flaky"}
+    finally:
+        registry.remove_plugin("test-later-plugin")
+
+
 def test_the_last_eligible_backend_is_never_marked_broken(make_registry):
     """With nothing to fall back to, the backend's own error reaches the caller and nothing is
     marked: the next call tries it again instead of raising NoEligibleBackendError for good."""

@@ -17,11 +17,20 @@ import logprob_registry as lr
 from logprob_registry import kit
 from logprob_registry.kit import FLOAT_DTYPES, label_columns, pad_rows, result_dtype, tiled
 
+_RESULT_DTYPES = (torch.float32, torch.float64)  # logits already in the dtype naive computes and returns in
+
 
 # The sampler's keywords by name, not ``**sampler``: collecting them into a dict and passing it on
 # costs a microsecond a call, the half of a small call's kernel (issue #36).
 def logprobs(logits, labels, *, temperature, ignore_index, inplace_backward, softcap=None, top_k=None, top_p=None,
              min_p=None, keep=None, sampler=None):
+    if (temperature.__class__ is float and temperature == 1.0 and ignore_index is None and softcap is None
+            and top_k is None and top_p is None and min_p is None and keep is None
+            and logits.dtype in _RESULT_DTYPES and labels.dtype is torch.int64 and labels.dim() + 1 == logits.dim()):
+        # The reference's formula for this call as its three torch ops, without its layers (dtype,
+        # temperature and candidate checks): a small call's kernel near torch's (issue #36); bitwise
+        # the reference's (tests/test_call.py).
+        return logits.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     return kit.reference_function("logprobs")(logits, labels, temperature=temperature, ignore_index=ignore_index,
                                               dtype=result_dtype(logits.dtype), softcap=softcap, top_k=top_k,
                                               top_p=top_p, min_p=min_p, keep=keep, sampler=sampler)

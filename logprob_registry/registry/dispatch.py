@@ -53,6 +53,7 @@ from .plugins import BUILTIN_PLUGINS, PluginSet, error_line
 from .ranking import Verdict, automatic, memory_verdicts, promise_of, rank, why_not
 
 ENV_VAR = config.BACKEND.name
+_backend_text = config.reader(ENV_VAR)  # asked on every call without an explicit choice
 UNTESTED = config.declare(config.Variable(
     "LOGPROB_REGISTRY_UNTESTED_VERSIONS",
     lambda text: frozenset(filter(None, (s.strip() for s in text.split(",")))),
@@ -254,7 +255,7 @@ class Registry(PluginSet):
         name = _forced.get()
         if name is not None:
             return name, "use_backend()"
-        text = config.raw(ENV_VAR)
+        text = _backend_text()
         if not text:
             return None, ""
         name = (text.decode() if isinstance(text, bytes) else text).strip()
@@ -423,6 +424,20 @@ class Registry(PluginSet):
 
     def _dispatch(self, spec, key: Key, backend: Optional[str], args: tuple,
                   options: Mapping[str, Any]) -> Tuple[Backend, Any]:
+        if backend is None and _forced.get() is None and _strict.get() is None and not _backend_text() \
+                and not _strict_text():
+            # The common call (no explicit choice, strict mode not asked for: what forced() and
+            # strict_in_force() say, asked inline), its cached automatic choice (issue #36: a small call).
+            chosen = self._cache.get(key)
+            state = self._state
+            if chosen is not None and state[0] is self._environment() and state[1] == self.generation \
+                    and state[2] == _memory_text():
+                try:
+                    return chosen, chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
+                except Exception as exc:
+                    if caller_fault(exc) is not None:
+                        raise
+                    return self._fall_back(spec, key, args, options, chosen, exc)
         strict = strict_in_force()
         name, source = self.forced(backend)
         if name is not None:
@@ -431,27 +446,41 @@ class Registry(PluginSet):
         if strict:  # no fallback: the backend's error reaches the caller as raised, and marks nothing
             chosen = self._automatic(key, True)
             return chosen, chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
+        chosen = self._automatic(key)
+        try:
+            return chosen, chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
+        except Exception as exc:
+            if caller_fault(exc) is not None:
+                raise
+            return self._fall_back(spec, key, args, options, chosen, exc)
+
+    def _fall_back(self, spec, key: Key, args: tuple, options: Mapping[str, Any], chosen: Backend,
+                   exc: Exception) -> Tuple[Backend, Any]:
+        """After the automatic choice ``chosen`` failed with ``exc`` (its own fault): mark it broken
+        for ``key``, warn, and run the call on the next automatic choice, and so on; when none is
+        left, the last error reaches the caller (and its backend stays unmarked)."""
         while True:
-            chosen = self._automatic(key)
+            with self._choices_lock:
+                self._broken.setdefault(key, {})[chosen.name] = error_line(exc)
+                self._cache.pop(key, None)
+            try:
+                replacement = self._automatic(key)
+            except NoEligibleBackendError:
+                with self._choices_lock:  # the last resort stays: its own error is more useful than "none left"
+                    self._broken.get(key, {}).pop(chosen.name, None)
+                raise exc from None
+            warnings.warn(
+                f"logprob_registry: backend {chosen.name!r} failed for {key.describe()} "
+                f"({error_line(exc)}); using {replacement.name!r} instead for the rest of this process. "
+                f"Force a backend with {ENV_VAR} or use_backend(), or use lr.strict(), to make such "
+                "failures raise; lr.get_registry().reset() forgets the failure.",
+                BackendFallbackWarning,
+                stacklevel=_stacklevel(),
+            )
+            chosen = replacement
             try:
                 return chosen, chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
-            except Exception as exc:
-                if caller_fault(exc) is not None:
+            except Exception as again:
+                if caller_fault(again) is not None:
                     raise
-                with self._choices_lock:
-                    self._broken.setdefault(key, {})[chosen.name] = error_line(exc)
-                    self._cache.pop(key, None)
-                try:
-                    replacement = self._automatic(key)
-                except NoEligibleBackendError:
-                    with self._choices_lock:  # the last resort stays: its own error is more useful than "none left"
-                        self._broken.get(key, {}).pop(chosen.name, None)
-                    raise exc from None
-                warnings.warn(
-                    f"logprob_registry: backend {chosen.name!r} failed for {key.describe()} "
-                    f"({error_line(exc)}); using {replacement.name!r} instead for the rest of this process. "
-                    f"Force a backend with {ENV_VAR} or use_backend(), or use lr.strict(), to make such "
-                    "failures raise; lr.get_registry().reset() forgets the failure.",
-                    BackendFallbackWarning,
-                    stacklevel=_stacklevel(),
-                )
+                exc = again

@@ -265,14 +265,18 @@ def _on_active_rows(rows: torch.Tensor, want: tuple, args: tuple, inplace: bool)
     index = active.nonzero().flatten()
     sub = tuple(a.reshape(n, *a.shape[1:])[index] if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == n
                 else a for a in args)
-    grad = rows.new_zeros(rows.shape) if not inplace else None
-    part = _grad(rows.index_select(0, index), want, sub, inplace=False) if index.numel() else None
-    target = rows if inplace else grad
-    if inplace:
-        target.masked_fill_(~active.unsqueeze(-1), 0.0)
-    if part is not None:
-        target.index_copy_(0, index, part)
-    return rows if inplace else grad
+    if inplace:  # the active rows' gradient on a copy of them, in place there; the other rows zeroed, one fill
+        part = rows.index_select(0, index) if index.numel() else None
+        if part is not None:
+            _grad(part, want, sub, inplace=True)
+        rows.index_fill_(0, (~active).nonzero().flatten(), 0.0)
+        if part is not None:
+            rows.index_copy_(0, index, part)
+        return rows
+    grad = rows.new_zeros(rows.shape)  # one fill: the zeros of the skipped rows
+    if index.numel():
+        grad.index_copy_(0, index, _grad(rows.index_select(0, index), want, sub, inplace=False))
+    return grad
 
 
 def _reference_outputs(logits, idx, ignored, inv_t, want_logp, want_entropy, cap) -> tuple:
