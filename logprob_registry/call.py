@@ -53,8 +53,9 @@ def key_for(op: str, *, device: Union[str, torch.device, None] = None, dtype: Op
     known; only its bucket matters, and only for those ops: other ops' keys never hold one). For an
     op given logits or hidden states, a ``hidden_size`` means hidden states: the key needs their
     feature (``token_stats``: ``stats_hidden``; ``kl_divergence``: ``kl_hidden``)."""
+    spec = get_spec(op)  # an unknown op: ValueError naming the known ones
     if hidden_size is not None:
-        features = frozenset(features) | _HIDDEN_SIZE_MEANS.get(get_spec(op).form, frozenset())
+        features = frozenset(features) | _HIDDEN_SIZE_MEANS.get(spec.form, frozenset())
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
     if device is None:
@@ -70,7 +71,7 @@ def key_for(op: str, *, device: Union[str, torch.device, None] = None, dtype: Op
     else:
         raise ValueError(f"device must be a device type such as 'cpu', 'cuda' or 'cuda:1', got {device!r}")
     return Key(op, device_type, dtype or torch.float32, bool(requires_grad), frozenset(features),
-               vocab_bucket(vocab), hidden_bucket(hidden_size) if OPS[op].keyed_by_hidden else 0)
+               vocab_bucket(vocab), hidden_bucket(hidden_size) if spec.keyed_by_hidden else 0)
 
 
 def shape_vocab(shape: Any) -> Optional[int]:
