@@ -8,10 +8,11 @@ temperature. How it works, what it costs the first time, and its measured number
 docs/backends/compiled.md.
 
 Modules: :mod:`._math` (the kernels as plain functions), :mod:`._kernels` (their compilation),
-:mod:`._ops` (layout, forward, autograd), :mod:`._aot` (prebuilt kernels: the backend's
-``prepare``, which ``logprob-registry warmup`` calls), :mod:`._shards` (the vocabulary-parallel ops
-behind ``process_group=``), :mod:`._hidden` (the fused op). A backward whose kernel fails to compile
-after its forward ran goes on eagerly; :func:`degradations` reports it to the registry.
+:mod:`._ops` (layout, forward, autograd), :mod:`._aot` (prebuilt kernels: the backend's ``prepare``,
+which ``logprob-registry warmup`` calls), :mod:`._shards` (the vocabulary-parallel ops behind
+``process_group=``), :mod:`._hidden` (the fused op, and token_stats given hidden states). A backward
+whose kernel fails to compile after its forward ran goes on eagerly; :func:`degradations` reports it
+to the registry.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """``compiled``'s fused op ``logprobs_from_hidden``: log-probabilities (and entropy) of
-``hidden @ weight.T + bias`` without forming the ``(N, V)`` logits, one compiled region per tile.
+``hidden @ weight.T + bias`` without forming the ``(N, V)`` logits, one compiled region per tile;
+and ``token_stats`` given hidden states over the same tiles (:func:`_fwd_stats_step`: every field
+in the one pass, the fused op's expressions for its log-probabilities and entropy).
 
 The logits are formed a tile at a time (a block of tokens against a block of the vocabulary). Per
 tile, one function compiled by ``torch.compile`` (inductor) does the matmul and reduces its result
@@ -649,8 +651,8 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
 
 # --------------------------------------------------------------------------- token_stats
 FIELDS = lr.TokenStats._fields
-#: The fields with a gradient (without truncation the raw ones are the processed ones), those of
-#: the labels, and those the fused op itself returns.
+#: The fields with a gradient (without truncation the raw ones are the processed ones: with labels
+#: and only these asked, the fused op itself runs), and those of the labels.
 DIFFERENTIABLE = frozenset({"logprobs", "entropy", "raw_logprobs", "raw_entropy"})
 LABELLED = frozenset({"logprobs", "raw_logprobs", "is_argmax"})
 
