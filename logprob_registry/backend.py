@@ -164,7 +164,9 @@ class Backend:
       op whose buckets allow less than ``size`` of work per row: the vocabulary bucket's upper edge,
       times the hidden-size bucket's upper edge for an op given hidden states (V x H,
       ``registry.key.key_size``); ``{"logprobs_from_hidden": 1 << 23}`` leaves the fused op's
-      small shapes to the others. Buckets only, never rows; an explicit choice is unaffected;
+      small shapes to the others. For an op given logits or hidden states (``token_stats``) a
+      size may be given per kind of inputs, ``{"token_stats": {"hidden": 1 << 23}}`` (a kind not
+      named: no rule). Buckets only, never rows; an explicit choice is unaffected;
     - capabilities (:data:`CAPABILITIES`): what it promises, each checked by the suite;
     - ``prepare``: optional ``f(request) -> [Prepared, ...]`` that builds the backend's kernels
       ahead of time, so that a later process's first call need not (``logprob-registry warmup``
@@ -260,9 +262,18 @@ class Backend:
             if op not in OPS or op not in self.ops:
                 raise ValueError(f"backend {self.name!r}: min_size names {op!r}, which it does not implement; "
                                  f"give sizes for its own ops ({', '.join(sorted(self.ops))})")
-            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-                raise ValueError(f"backend {self.name!r}: min_size[{op!r}] must be an int >= 0 (V, or V x H for "
-                                 f"an op given hidden states), got {size!r}")
+            by_kind = isinstance(size, Mapping)
+            unknown = sorted(set(size) - {"logits", "hidden"}) if by_kind else []
+            if unknown:
+                raise ValueError(f"backend {self.name!r}: min_size[{op!r}] maps the kinds of inputs 'logits' and "
+                                 f"'hidden' to sizes, got {', '.join(map(repr, unknown))}")
+            for n in size.values() if by_kind else (size,):
+                if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                    raise ValueError(f"backend {self.name!r}: min_size[{op!r}] must be an int >= 0 (V, or V x H for "
+                                     "an op given hidden states), or a mapping of 'logits' and/or 'hidden' to such "
+                                     f"ints, got {size!r}")
+            if by_kind:
+                min_size[op] = dict(size)
         features = frozenset({self.features} if isinstance(self.features, str) else self.features)
         unknown = sorted(features - set(FEATURES))
         if unknown:
@@ -303,6 +314,12 @@ class Backend:
 
     def supports(self, op: str) -> bool:
         return op in self.ops
+
+    def least_size(self, op: str, hidden: int = 0, features: frozenset = frozenset()) -> Optional[int]:
+        """The declared ``min_size`` for a call of ``op`` of a key's ``hidden`` bucket and
+        ``features`` (for a mapping, its entry for the kind of inputs, ``OpSpec.given``), or None."""
+        size = self.min_size.get(op)
+        return size.get(OPS[op].given(hidden, features)) if isinstance(size, Mapping) else size
 
     def __repr__(self) -> str:
         origin = f" from {self.origin}" if self.origin else ""

@@ -23,6 +23,7 @@ Triton, never a compiler).
 - batch-invariant matmuls: :data:`MIN_GEMM_ROWS`, :func:`pad_rows`, :func:`add_matmul`;
 - ignored rows: :func:`on_active_rows` (a per-row op run on the rows whose label is not ignored);
 - a frozen lm_head: :func:`label_minus_mean` (the hidden gradient from an accumulated ``softmax @ W``);
+- ``is_argmax`` without an argmax reduction: :func:`first_max` (from the running max before the label);
 - CUDA graphs: :func:`capturing` (no host reads of device values while a graph is captured);
 - the tile protocol of the shard ops (``shard_stats``, ``shard_grad``, ...): :data:`TILE`,
   :func:`grid` (:class:`Slot`), :func:`grid_offset`, :func:`exact_sum` (:data:`QUANTUM_BITS`,
@@ -75,7 +76,7 @@ from .processing import merge_lists as merge_top_lists
 from .processing import processed as shard_processed
 from .processing import rounded as shard_rounded
 from .processing import top_list as shard_top_list
-from .rows import MIN_GEMM_ROWS, add_matmul, label_minus_mean, on_active_rows, pad_rows
+from .rows import MIN_GEMM_ROWS, add_matmul, first_max, label_minus_mean, on_active_rows, pad_rows
 from .sampler import Sampler
 from .truncation import float32_value, keep_mask, kept_from_boundary, topk_ids, truncation_boundary
 from .truth import reference_function, reference_outputs
@@ -101,6 +102,7 @@ __all__ = [
     "capturing",
     "declare_variable",
     "dtype_name",
+    "first_max",
     "first_order_only",
     "float32_value",
     "keep_mask",

@@ -430,14 +430,21 @@ class OpSpec:
         size does not bound its work)."""
         return self.function is not None and self.form == "hidden"
 
+    def given(self, hidden: int = 0, features: frozenset = _NO_FEATURES) -> str:
+        """``"hidden"`` for a call of a key's ``hidden`` bucket and ``features`` given hidden states
+        (an op always given them, a hidden bucket, ``stats_hidden`` or ``kl_hidden`` among the
+        features), else ``"logits"``: the kinds of inputs that ``memory`` and a backend's
+        ``min_size`` may tell apart."""
+        hidden_given = self.form == "hidden" or hidden or "stats_hidden" in features or "kl_hidden" in features
+        return "hidden" if hidden_given else "logits"
+
     def promise(self, hidden: int = 0, features: frozenset = _NO_FEATURES,
                 lowest_vocab: Optional[int] = None) -> Optional[MemoryPromise]:
         """The memory promise of a call of a key's ``hidden`` bucket and ``features`` whose
         vocabulary bucket starts at ``lowest_vocab`` (None: not known): the promise for hidden states
         for an op always given them, or given them here (a hidden bucket, or ``kl_hidden`` among the
         features); else the one for logits; None if the op makes none there (``from_vocab``)."""
-        given = "hidden" if self.form == "hidden" or hidden or "kl_hidden" in features else "logits"
-        promise = self.memory.get(given)
+        promise = self.memory.get(self.given(hidden, features))
         if promise is not None and lowest_vocab is not None and lowest_vocab < promise.from_vocab:
             return None
         return promise

@@ -216,8 +216,8 @@ def test_the_hidden_gradient_is_formed_in_forward_only_when_it_is_the_only_one_n
     hidden, weight, _, labels = make_inputs(n=20, v=50, bias=False, seed=6)
     seen = []
     real = ch._forward
-    monkeypatch.setattr(ch, "_forward", lambda c, entropy, accumulate=False: seen.append(accumulate) or
-                        real(c, entropy, accumulate))
+    monkeypatch.setattr(ch, "_forward", lambda c, entropy, accumulate=False, stats=False: seen.append(accumulate) or
+                        real(c, entropy, accumulate, stats))
     with torch.no_grad():
         call(hidden.requires_grad_(True), weight, labels)
     call(hidden, weight.clone().requires_grad_(True), labels)
@@ -290,16 +290,21 @@ def fresh():
 @needs_compiler
 def test_one_compile_covers_tokens_vocabularies_hidden_sizes_and_temperatures(fresh):
     """Five calls with gradients and different N, V, H and temperature (bf16 among them: upcast
-    outside the kernels), two of them with a frozen weight, cost one compile of each kernel."""
+    outside the kernels), two of them with a frozen weight, and token_stats of each, cost one
+    compile of each kernel."""
     for i, (n, h, v, dtype) in enumerate([(5, 24, 97, torch.float32), (40, 32, 1500, torch.float32),
                                           (4110, 16, 3000, torch.bfloat16), (17, 8, 50, torch.float32),
                                           (64, 24, 2049, torch.float32)]):
         hidden, weight, bias, labels = make_inputs(n=n, h=h, v=v, dtype=dtype, seed=i)
         hidden.requires_grad_(True)
         weight.requires_grad_(i % 2 == 0)  # odd: a frozen weight, whose forward kernel is fwd_acc_step
-        out = call(hidden, weight, labels, bias=bias, temperature=(0.5, 1.0, 1.3, 2.0, 0.9)[i])
+        t = (0.5, 1.0, 1.3, 2.0, 0.9)[i]
+        out = call(hidden, weight, labels, bias=bias, temperature=t)
         out.sum().backward()
-    assert ch.compile_counts() == {"fwd_step": 1, "bwd_step": 1, "fwd_acc_step": 1}
+        with torch.no_grad():  # token_stats' tiles (every field): one compile too
+            lr.token_stats(hidden, labels, weight=weight, bias=bias, outputs=lr.TokenStats._fields, temperature=t,
+                           backend="compiled")
+    assert ch.compile_counts() == {"fwd_step": 1, "bwd_step": 1, "fwd_acc_step": 1, "fwd_stats_step": 1}
 
 
 @needs_compiler

@@ -325,6 +325,37 @@ def test_min_size_is_checked_when_declared():
         lr.Backend(name="x", ops={"logprobs_from_hidden": _fused}, min_size={"logprobs": 10})
     with pytest.raises(ValueError, match=r"min_size\['logprobs_from_hidden'\] must be an int >= 0"):
         lr.Backend(name="x", ops={"logprobs_from_hidden": _fused}, min_size={"logprobs_from_hidden": -1})
+    with pytest.raises(ValueError, match=r"min_size\['token_stats'\] maps the kinds of inputs 'logits' and 'hidden' "
+                                         r"to sizes, got 'weight'"):
+        lr.Backend(name="x", ops={"token_stats": _fused}, min_size={"token_stats": {"weight": 10}})
+    with pytest.raises(ValueError, match=r"min_size\['token_stats'\] must be an int >= 0 .* or a mapping"):
+        lr.Backend(name="x", ops={"token_stats": _fused}, min_size={"token_stats": {"hidden": 1.5}})
+
+
+def test_min_size_by_kind_of_inputs_passes_over_hidden_calls_only(make_registry):
+    """token_stats takes logits or hidden states: a size for "hidden" passes the backend over for
+    small V x H calls given hidden states, never for its logits calls."""
+    from logprob_registry.call import key_for
+
+    class Stats:
+        @lr.hookimpl
+        def register_backends(self, register):
+            register(lr.Backend(name="stats-big", ops={"token_stats": _fused}, priority=20,
+                                features={"stats_hidden"}, min_size={"token_stats": {"hidden": 1 << 23}}))
+            register(lr.Backend(name="stats-any", ops={"token_stats": _fused}, priority=10, features={"stats_hidden"}))
+
+    reg = make_registry(Stats())
+    assert reg.get("stats-big").least_size("token_stats") is None  # logits: no rule
+    assert reg.explain(key_for("token_stats", device="cpu", vocab=4096)).chosen == "stats-big"
+    small = reg.explain(key_for("token_stats", device="cpu", vocab=4096, hidden_size=256))
+    assert small.chosen == "stats-any" and small["stats-big"].why == (
+        "not worth it for vocabularies of 2049 to 16384 and hidden sizes of 1 to 256 (V x H at most 4194304; "
+        "declares min_size['token_stats']={'hidden': 8388608}); choose it explicitly to use it anyway")
+    assert reg.explain(key_for("token_stats", device="cpu", vocab=4096, hidden_size=1024)).chosen == "stats-big"
+    unknown = reg.explain(key_for("token_stats", device="cpu", vocab=4096, features={"stats_hidden"}))
+    assert unknown.chosen == "stats-big" and unknown.notes[0].startswith(
+        "size rule: stats-big declares min_size['token_stats']={'hidden': 8388608}: a call whose V x H is smaller "
+        "runs on stats-any")
 
 
 def test_a_ranking_of_the_fused_op_applies_to_its_v_and_h_buckets(fused, tmp_path):

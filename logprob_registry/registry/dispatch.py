@@ -50,7 +50,7 @@ from .key import ALWAYS_HIDDEN, Key, key_size
 from .outputs import Expected
 from .outputs import check as check_outputs
 from .plugins import BUILTIN_PLUGINS, PluginSet, error_line
-from .ranking import Verdict, automatic, memory_verdicts, promise_of, rank, why_not
+from .ranking import Verdict, automatic, declared_min_size, memory_verdicts, promise_of, rank, why_not
 
 ENV_VAR = config.BACKEND.name
 _backend_text = config.reader(ENV_VAR)  # asked on every call without an explicit choice
@@ -378,15 +378,17 @@ class Registry(PluginSet):
         """When the key's size is not known (explain or info without a shape), the automatic choice's
         ``min_size`` for the op decides every real call (which has a size): say which backend a
         smaller call runs on."""
-        if chosen is None or key_size(key.op, key.vocab, key.hidden) is not None:
+        hidden_unknown = OPS[key.op].given(key.hidden, key.features) == "hidden" and not key.hidden
+        if chosen is None or (key_size(key.op, key.vocab, key.hidden) is not None and not hidden_unknown):
             return ()
-        least = self.get(chosen).min_size.get(key.op)
+        least = self.get(chosen).least_size(key.op, key.hidden, key.features)
         if least is None:
             return ()
         after = [v.name for v in verdicts[[v.name for v in verdicts].index(chosen) + 1:] if v.eligible]
-        below = next((n for n in after if key.op not in self.get(n).min_size), None)
-        per_row = "V x H" if key.op in ALWAYS_HIDDEN else "V (V x H for hidden states)"
-        return (f"size rule: {chosen} declares min_size[{key.op!r}]={least}: a call whose {per_row} is smaller "
+        below = next((n for n in after if self.get(n).least_size(key.op, key.hidden, key.features) is None), None)
+        per_row = "V x H" if key.op in ALWAYS_HIDDEN or hidden_unknown else "V (V x H for hidden states)"
+        declared = declared_min_size(self.get(chosen).min_size[key.op], OPS[key.op].given(key.hidden, key.features))
+        return (f"size rule: {chosen} declares min_size[{key.op!r}]={declared}: a call whose {per_row} is smaller "
                 f"runs on {below or 'the next eligible backend'}; explain(..., shape=..., hidden_size=...) shows "
                 "the choice for a size",)
 

@@ -130,7 +130,8 @@ def rank(backends: Iterable[Backend], key: Key, env: Environment, broken: Option
         if reason is None and low is not None and low < b.min_vocab and not timed:
             skipped = (f"not worth it for {describe_bucket(key.vocab)} (declares min_vocab={b.min_vocab}); "
                        "choose it explicitly to use it anyway")
-        if reason is None and skipped is None and not timed and key.op in b.min_size:
+        sized = b.least_size(key.op, key.hidden, key.features) is not None
+        if reason is None and skipped is None and not timed and sized:
             skipped = _below_min_size(b, key)
         if reason is None and measured is not None and b.name in measured.failed:
             skipped = f"failed the tuning smoke check: {measured.failed[b.name]}"
@@ -146,13 +147,22 @@ def _below_min_size(backend: Backend, key: Key) -> Optional[str]:
     """Why ``backend`` is passed over for ``key`` by its declared ``min_size`` for the op, or None
     (also when the key's size is not known: without buckets no size rule applies)."""
     size = key_size(key.op, key.vocab, key.hidden)
-    least = backend.min_size[key.op]
+    least = backend.least_size(key.op, key.hidden, key.features)
+    kind = OPS[key.op].given(key.hidden, key.features)
+    if kind == "hidden" and not key.hidden:  # hidden states of a size not known: no bound on the work
+        size = None
     if size is None or size >= least:
         return None
     where = describe_bucket(key.vocab) + (f" and {describe_hidden(key.hidden)}" if key.hidden else "")
     per_row = "V x H" if key.hidden else "V"
-    return (f"not worth it for {where} ({per_row} at most {int(size)}; declares min_size[{key.op!r}]={least}); "
-            "choose it explicitly to use it anyway")
+    return (f"not worth it for {where} ({per_row} at most {int(size)}; declares min_size[{key.op!r}]="
+            f"{declared_min_size(backend.min_size[key.op], kind)}); choose it explicitly to use it anyway")
+
+
+def declared_min_size(size, kind: str) -> str:
+    """A ``min_size`` entry as ``explain`` names it: the number, or for a mapping by kind of inputs
+    the kind's entry (``{'hidden': 8589934592}``)."""
+    return f"{{{kind!r}: {size[kind]}}}" if isinstance(size, Mapping) else str(size)
 
 
 def automatic(verdicts: List[Verdict]) -> Optional[str]:

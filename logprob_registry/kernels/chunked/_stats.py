@@ -10,7 +10,7 @@ while it is in cache:
   for the log-probabilities, which :func:`._rows.logprobs` turns into ``logprobs_from_logits``' bits)
   plus ``sum y`` (the mean), ``|p|`` (one vectorised norm: ``log_sum_p2 = 2 (log |p| - log norm)``)
   and, for ``is_argmax``, in the rows whose label is at the maximum, the max of the columns before
-  it (:func:`first_max`: an argmax reduction is 30 times slower than a max on the CPU);
+  it (``kit.first_max``: an argmax reduction is 30 times slower than a max on the CPU);
 * logits with the sampler's processing, candidates or per-row values: :func:`._sampler.forward_rows`
   with its ``extras`` hooks, which see the processed logits ``z`` before truncation (the raw
   log-sum-exp, entropy, label values, mean and max) and over the kept tokens (``sum e**2`` and the
@@ -39,7 +39,7 @@ from torch.autograd.function import once_differentiable
 
 import logprob_registry as lr
 from logprob_registry import kit
-from logprob_registry.kit import MIN_GEMM_ROWS, backward_without_autocast, first_order_only, result_dtype
+from logprob_registry.kit import MIN_GEMM_ROWS, backward_without_autocast, first_max, first_order_only, result_dtype
 
 from . import _hidden, _sampler
 from . import _rows as loops
@@ -77,18 +77,6 @@ def _mark(ctx, outs) -> None:
 def _norm2(t: torch.Tensor, dim: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The row 2-norm (one vectorised reduction, far faster on the CPU than a product and a sum)."""
     return torch.linalg.vector_norm(t, 2, dim, out=out)
-
-
-def first_max(picked, m, before, label) -> torch.Tensor:
-    """Whether the label is ``torch.argmax`` of its row (the first maximum; NaN counts as the
-    largest, as there): its value ``picked`` is the row maximum ``m`` and every value before it
-    (``before``: their maximum, anything for ``label == 0``) is smaller. Exact: no rounding is involved.
-    An argmax reduction with indices is 30 times slower than a max on the CPU; this needs only the
-    max of the columns before the label, where the label is at the maximum."""
-    nan = torch.isnan(picked)
-    at_max = (picked == m) | (nan & torch.isnan(m))
-    first = (label == 0) | (picked > before) | (nan & ~torch.isnan(before))
-    return at_max & first
 
 
 def _before_max(rows: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
@@ -421,7 +409,7 @@ class _HiddenExtras:
     """token_stats' running reductions beside :func:`._hidden._forward` (its ``extras``): ``sum z``,
     the running max, ``sum exp(2 (z - m))`` rescaled as the max moves, and for ``is_argmax`` the
     label's logit and the max of the columns before it (the tiles wholly before the label give
-    their max, the label's own tile the max of its columns before it: :func:`first_max`)."""
+    their max, the label's own tile the max of its columns before it: ``kit.first_max``)."""
 
     def __init__(self, n: int, vocab: int, want, lab, labelled: bool, device, cd):
         opts = dict(device=device, dtype=cd)

@@ -8,10 +8,11 @@ temperature. How it works, what it costs the first time, and its measured number
 docs/backends/compiled.md.
 
 Modules: :mod:`._math` (the kernels as plain functions), :mod:`._kernels` (their compilation),
-:mod:`._ops` (layout, forward, autograd), :mod:`._aot` (prebuilt kernels: the backend's
-``prepare``, which ``logprob-registry warmup`` calls), :mod:`._shards` (the vocabulary-parallel ops
-behind ``process_group=``), :mod:`._hidden` (the fused op). A backward whose kernel fails to compile
-after its forward ran goes on eagerly; :func:`degradations` reports it to the registry.
+:mod:`._ops` (layout, forward, autograd), :mod:`._aot` (prebuilt kernels: the backend's ``prepare``,
+which ``logprob-registry warmup`` calls), :mod:`._shards` (the vocabulary-parallel ops behind
+``process_group=``), :mod:`._hidden` (the fused op, and token_stats given hidden states). A backward
+whose kernel fails to compile after its forward ran goes on eagerly; :func:`degradations` reports it
+to the registry.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ def logprobs_and_entropy(logits, labels, *, temperature, ignore_index, inplace_b
 
 
 def token_stats(inputs, labels, *, weight, bias, outputs, temperature, ignore_index, softcap=None):
-    """Logits only: hidden states (a weight) need the feature stats_hidden, which this backend does not declare."""
+    if weight is not None:  # hidden states (feature stats_hidden): the fused op's tiles
+        return _hidden.token_stats(inputs, weight, labels, bias=bias, outputs=outputs, temperature=temperature,
+                                   ignore_index=ignore_index, softcap=softcap)
     return _ops.token_stats(inputs, labels, outputs, temperature, ignore_index, softcap)
 
 
@@ -149,15 +152,16 @@ def register_backends(register):
         min_vocab=257,
         # the fused op: on this project's 2-core CPU chunked's was as fast or faster at every
         # measured bucket with 4096 rows (and within 7% at 256 rows), so compiled's is an explicit or
-        # a tuned choice: no bounded bucket reaches this size (docs/tuning.md, "Measured: the fused op").
-        min_size={"logprobs_from_hidden": 1 << 33},
+        # a tuned choice: no bounded bucket reaches this size (docs/tuning.md, "Measured: the fused op");
+        # the same for token_stats given hidden states, which runs the same tiles (not for its logits calls).
+        min_size={"logprobs_from_hidden": 1 << 33, "token_stats": {"hidden": 1 << 33}},
         torch=TORCH_SPEC,
         autograd=True,
         available=available,
         inplace_backward=True,
         batch_invariant=True,
         deterministic=True,
-        features={"softcap", "logits_dtype"},
+        features={"softcap", "logits_dtype", "stats_hidden"},
         group_invariant=True,
         prepare=_aot.prepare,
         degradations=degradations,

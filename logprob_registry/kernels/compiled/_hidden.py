@@ -1,5 +1,7 @@
 """``compiled``'s fused op ``logprobs_from_hidden``: log-probabilities (and entropy) of
-``hidden @ weight.T + bias`` without forming the ``(N, V)`` logits, one compiled region per tile.
+``hidden @ weight.T + bias`` without forming the ``(N, V)`` logits, one compiled region per tile;
+and ``token_stats`` given hidden states over the same tiles (:func:`_fwd_stats_step`: every field
+in the one pass, the fused op's expressions for its log-probabilities and entropy).
 
 The logits are formed a tile at a time (a block of tokens against a block of the vocabulary). Per
 tile, one function compiled by ``torch.compile`` (inductor) does the matmul and reduces its result
@@ -49,12 +51,20 @@ import torch
 
 import logprob_registry as lr
 from logprob_registry import kit
-from logprob_registry.kit import MIN_GEMM_ROWS, label_minus_mean, on_active_rows, result_dtype, second_order_gradient
+from logprob_registry.kit import (
+    MIN_GEMM_ROWS,
+    backward_without_autocast,
+    first_max,
+    label_minus_mean,
+    on_active_rows,
+    result_dtype,
+    second_order_gradient,
+)
 
 from ._kernels import INDUCTOR_OPTIONS, LN2, LOG2E, RECOMPILE_LIMIT, CompileError, _notice, compile_error
 
 __all__ = ["KERNELS", "TILES", "Plan", "compile_counts", "logprobs_from_hidden", "plan", "reset", "row_tiles",
-           "vocab_blocks"]
+           "token_stats", "vocab_blocks"]
 
 #: ``(rows, cols)`` of a tile by device type ("default" for the others). CPU: 4096 x 1024 (16 MiB
 #: of fp32): at least as fast as one large matmul, and few enough tiles (32 at 4096 x 32768) that
@@ -114,13 +124,19 @@ def row_tiles(n: int, p: Plan) -> List[Tuple[int, int]]:
 # --------------------------------------------------------------------------- kernels (compiled)
 # As in ._kernels: a logit x is scaled as a = (x - max) * k with k = log2(e) / T and exponentiated
 # with exp2; the sums are relative to the running max of the unscaled (processed) logits.
-def _logits(h, w, b, cap: Optional[float], logits_dtype: Optional[torch.dtype]):
+def _matmul(h, w, b):
+    """The tile's logits as the lm_head gives them: ``h @ w.T + b``."""
+    return torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
+
+
+def _logits(h, w, b, cap: Optional[float], logits_dtype: Optional[torch.dtype], z=None):
     """The tile's logits, processed as the sampler does before the temperature: rounded to
     ``logits_dtype`` (if given), then softcapped (if ``cap``); and d processed / d logits (None
     without a softcap; the rounding passes the gradient straight through). With ``logits_dtype`` the
     softcap is the engine's three ops, ``z / cap``, ``tanh``, ``* cap``, each rounded to that dtype
-    (:func:`logprob_registry.truncation.softcapped`), its derivative taken at the rounded ``z / cap``."""
-    z = torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
+    (:func:`logprob_registry.truncation.softcapped`), its derivative taken at the rounded ``z / cap``.
+    ``z``: the tile's :func:`_matmul`, if the caller made it already."""
+    z = _matmul(h, w, b) if z is None else z
 
     def rounded(x):
         return x if logits_dtype is None else x.to(logits_dtype).to(h.dtype)
@@ -133,11 +149,10 @@ def _logits(h, w, b, cap: Optional[float], logits_dtype: Optional[torch.dtype]):
     return torch.where(masked, z, rounded(rounded(t) * cap)), torch.where(masked, 0.0, 1.0 - t * t)
 
 
-def _fwd_step(h, w, b, local, m, s, u, zl, k: float, cap: Optional[float], logits_dtype: Optional[torch.dtype]):
-    """One tile of the forward: the running max ``m`` (of the processed logits), sum ``s`` of
-    ``exp2((x - m) k)``, sum ``u`` of ``-a exp2(a)`` (None: no entropy) and label logit ``zl``
-    (where ``0 <= local < cols``) of ``h``'s rows, updated with the block ``w`` (and ``b``)."""
-    x, _ = _logits(h, w, b, cap, logits_dtype)
+def _online(x, local, m, s, u, zl, k: float):
+    """The online log-sum-exp of :func:`_fwd_step` over a tile of processed logits ``x``: the new
+    ``(m, s, u, zl)`` (``u`` None without entropy), then ``e = exp2(a)`` and ``alpha``, the
+    rescaling of the old sums (token_stats' extra running sums use them)."""
     m_new = torch.maximum(m, x.amax(1, keepdim=True))
     base = torch.where(m_new == -_INF, 0.0, m_new)  # rows whose logits are all -inf so far
     a = (x - base) * k
@@ -148,10 +163,41 @@ def _fwd_step(h, w, b, local, m, s, u, zl, k: float, cap: Optional[float], logit
     inside = (local >= 0) & (local < x.shape[1])
     zl_new = torch.where(inside, x.gather(1, local.clamp(0, x.shape[1] - 1)), zl)
     if u is None:
-        return m_new, s_new, zl_new
+        return (m_new, s_new, None, zl_new), e, alpha
     # -a exp2(a) is 0 where exp2(a) is (a masked logit would give -inf * 0)
     u_new = (u + d * s) * alpha + torch.where(e == 0, 0.0, -a * e).sum(1, keepdim=True)
-    return m_new, s_new, u_new, zl_new
+    return (m_new, s_new, u_new, zl_new), e, alpha
+
+
+def _fwd_step(h, w, b, local, m, s, u, zl, k: float, cap: Optional[float], logits_dtype: Optional[torch.dtype]):
+    """One tile of the forward: the running max ``m`` (of the processed logits), sum ``s`` of
+    ``exp2((x - m) k)``, sum ``u`` of ``-a exp2(a)`` (None: no entropy) and label logit ``zl``
+    (where ``0 <= local < cols``) of ``h``'s rows, updated with the block ``w`` (and ``b``)."""
+    x, _ = _logits(h, w, b, cap, logits_dtype)
+    (m_new, s_new, u_new, zl_new), _, _ = _online(x, local, m, s, u, zl, k)
+    return (m_new, s_new, zl_new) if u is None else (m_new, s_new, u_new, zl_new)
+
+
+def _fwd_stats_step(h, w, b, local, m, s, u, zl, zsum, q, top, at, before, k: float, cap: Optional[float]):
+    """One tile of token_stats' forward: :func:`_fwd_step` with entropy (the same expressions, so
+    its log-probabilities and entropy are the fused op's bits), and in the same pass the running
+    sum ``zsum`` of the processed logits (the mean), ``q``, the sum of ``exp2(2 a)`` rescaled by
+    ``alpha**2`` as the max moves (the sum of squared probabilities times ``s**2``), and for
+    ``is_argmax``, of the logits before any softcap (softcap and temperature are increasing, so their
+    argmax is theirs, without the ties rounding could make): the running max ``top``, the label's
+    value ``at`` and ``before``, the max of the columns before the label (``kit.first_max``)."""
+    z = _matmul(h, w, b)
+    x, _ = _logits(h, w, b, cap, None, z)
+    (m_new, s_new, u_new, zl_new), e, alpha = _online(x, local, m, s, u, zl, k)
+    zsum_new = zsum + x.sum(1, keepdim=True)
+    q_new = q * (alpha * alpha) + (e * e).sum(1, keepdim=True)
+    cols = z.shape[1]
+    top_new = torch.maximum(top, z.amax(1, keepdim=True))
+    inside = (local >= 0) & (local < cols)
+    at_new = torch.where(inside, z.gather(1, local.clamp(0, cols - 1)), at)
+    early = torch.where(torch.arange(cols, device=z.device) < local, z, -_INF).amax(1, keepdim=True)
+    before_new = torch.where(local >= cols, top_new, torch.where(inside, torch.maximum(top, early), before))
+    return m_new, s_new, u_new, zl_new, zsum_new, q_new, top_new, at_new, before_new
 
 
 def _fwd_acc_step(h, w, b, local, m, s, zl, k: float):
@@ -191,7 +237,8 @@ def _bwd_step(h, w, b, local, m, log2_s, ent, g_lp, g_ent, k: float, inv_t: floa
     return grad * inv_t
 
 
-KERNELS: Dict[str, Callable] = {"fwd_step": _fwd_step, "bwd_step": _bwd_step, "fwd_acc_step": _fwd_acc_step}
+KERNELS: Dict[str, Callable] = {"fwd_step": _fwd_step, "bwd_step": _bwd_step, "fwd_acc_step": _fwd_acc_step,
+                                "fwd_stats_step": _fwd_stats_step}
 _compiled: Dict[str, Callable] = {}
 _eager: Dict[tuple, str] = {}   # kinds of backward that failed to compile: run eagerly
 _warm: set = set()
@@ -314,18 +361,28 @@ def _blocks(c: _Call):
         yield v0, _block(c.weight[v0:v1], c.cd), None if c.bias is None else _block(c.bias[v0:v1], c.cd)
 
 
-def _forward(c: _Call, entropy: bool, accumulate: bool = False):
-    """``(m, s, u, zl, acc)`` per row, each ``(N, 1)`` but ``acc``: the max of the processed logits,
-    the sum of ``exp2((x - m) k)``, of ``-a exp2(a)`` (None without entropy), the label's logit and,
-    with ``accumulate`` (a plain call: :func:`_accumulates`), ``sum exp2((x - m) k) w`` ``(N, H)``
-    (else None), so that ``acc / s`` is ``softmax @ weight``: the hidden gradient with a frozen
-    weight, formed here with one matmul a tile rather than recomputing the tile in backward."""
+def _forward(c: _Call, entropy: bool, accumulate: bool = False, stats: bool = False):
+    """``(m, s, u, zl, acc, extra)`` per row, each ``(N, 1)`` but ``acc``: the max of the processed
+    logits, the sum of ``exp2((x - m) k)``, of ``-a exp2(a)`` (None without entropy), the label's
+    logit and, with ``accumulate`` (a plain call: :func:`_accumulates`), ``sum exp2((x - m) k) w``
+    ``(N, H)`` (else None), so that ``acc / s`` is ``softmax @ weight``: the hidden gradient with a
+    frozen weight, formed here with one matmul a tile rather than recomputing the tile in backward.
+    ``stats`` (token_stats' tiles, :func:`_fwd_stats_step`; entropy too): ``extra`` is
+    ``(zsum, q, top, at, before)``, else ``()``."""
     tiles = _tiles(c.hidden.shape[0], c.tiles)
     rows = _Rows(c, tiles)
     idx = [t.pad(c.idx) for t in tiles]
     opts = dict(device=c.hidden.device, dtype=c.cd)
-    states = [(torch.full((t.rows, 1), -_INF, **opts), torch.zeros(t.rows, 1, **opts),
-               torch.zeros(t.rows, 1, **opts) if entropy else None, torch.zeros(t.rows, 1, **opts)) for t in tiles]
+
+    def state(t: _Tile) -> tuple:
+        def col(value: float = 0.0):
+            return torch.full((t.rows, 1), value, **opts)
+
+        first = (col(-_INF), col(), col() if entropy or stats else None, col())
+        # zsum, q; the running max before any softcap, the label's value, the max before the label
+        return first + ((col(), col(), col(-_INF), col(), col(-_INF)) if stats else ())
+
+    states = [state(t) for t in tiles]
     accs = [torch.zeros(t.rows, c.hidden.shape[1], **opts) for t in tiles] if accumulate else None
     for v0, w, b in _blocks(c):
         for i in range(len(tiles)):
@@ -336,12 +393,15 @@ def _forward(c: _Call, entropy: bool, accumulate: bool = False):
                 states[i] = (m, s, None, zl)
                 del e
                 continue
+            if stats:
+                states[i] = _run("fwd_stats_step", rows[i], w, b, idx[i] - v0, *states[i], c.k, c.cap)
+                continue
             out = _run("fwd_step", rows[i], w, b, idx[i] - v0, *states[i], c.k, c.cap, c.logits_dtype)
             states[i] = out if entropy else (out[0], out[1], None, out[2])
-    stats = tuple(None if states[0][j] is None else torch.cat([st[j][: t.r1 - t.r0] for st, t in zip(states, tiles)])
-                  for j in range(4))
+    found = tuple(None if states[0][j] is None else torch.cat([st[j][: t.r1 - t.r0] for st, t in zip(states, tiles)])
+                  for j in range(len(states[0])))
     acc = None if accs is None else torch.cat([a[: t.r1 - t.r0] for a, t in zip(accs, tiles)])
-    return stats + (acc,)
+    return found[:4] + (acc, found[4:])
 
 
 def _accumulates(c: _Call, entropy: bool, need: Tuple[bool, bool, bool]) -> bool:
@@ -455,11 +515,14 @@ class _Stats(NamedTuple):
     ignored: Optional[torch.Tensor]
 
 
-def _outputs(c: _Call, ignored: Optional[torch.Tensor], entropy: bool, accumulate: bool = False):
-    """``(logp (N,), entropy (N,) or None, stats, dh)``; ``dh`` (with ``accumulate``, else None):
-    ``d logp / d hidden`` per row, ``(W[label] - softmax @ W) / T`` ``(N, H)``: a frozen weight's
-    backward is then one scale by the upstream gradient."""
-    m, s, u, zl, acc = _forward(c, entropy, accumulate)
+def _outputs(c: _Call, ignored: Optional[torch.Tensor], entropy: bool, accumulate: bool = False,
+             stats: bool = False):
+    """``(logp (N,), entropy (N,) or None, stats, dh, extra)``; ``dh`` (with ``accumulate``, else
+    None): ``d logp / d hidden`` per row, ``(W[label] - softmax @ W) / T`` ``(N, H)``: a frozen
+    weight's backward is then one scale by the upstream gradient. ``stats``: token_stats' tiles
+    (entropy too), ``extra`` its fields ``log_sum_p2``, ``mean_logit``, ``max_logit`` and
+    ``is_argmax`` by name (N,), else ``{}``."""
+    m, s, u, zl, acc, more = _forward(c, entropy, accumulate, stats)
     dh = None if acc is None else label_minus_mean(acc.div_(s), c.weight, c.idx[:, 0], c.inv_t)
     base = torch.where(m == -_INF, 0.0, m)
     log_s = s.log()
@@ -468,7 +531,13 @@ def _outputs(c: _Call, ignored: Optional[torch.Tensor], entropy: bool, accumulat
         logp = logp.masked_fill(ignored, 0.0)
     ent = None if u is None else log_s + u * LN2 / s
     out_ent = None if ent is None else ent[:, 0].clone()
-    return logp, out_ent, _Stats(base, log_s * LOG2E, ent, ignored), dh
+    extra = {}
+    if stats:  # log sum q**2 = log sum exp2(2 a) - 2 log s; the argmax from the maxima before any softcap
+        zsum, q, top, at, before = (t[:, 0] for t in more)
+        first = first_max(at, top, before, c.idx[:, 0])
+        extra = {"log_sum_p2": q.log() - 2.0 * log_s[:, 0], "mean_logit": zsum * c.inv_t / c.weight.shape[0],
+                 "max_logit": m[:, 0] * c.inv_t, "is_argmax": first if ignored is None else first & ~ignored}
+    return logp, out_ent, _Stats(base, log_s * LOG2E, ent, ignored), dh, extra
 
 
 class _FusedCompiled(torch.autograd.Function):
@@ -477,7 +546,7 @@ class _FusedCompiled(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, c: _Call, ignored, entropy, labels, options):
         accumulate = _accumulates(c, entropy, tuple(ctx.needs_input_grad[:3]))
-        logp, ent, stats, ctx.dh = _outputs(c, ignored, entropy, accumulate)
+        logp, ent, stats, ctx.dh, _ = _outputs(c, ignored, entropy, accumulate)
         if not accumulate:
             _warm_backward(c, True, entropy)
         ctx.set_materialize_grads(False)
@@ -536,6 +605,14 @@ def _first_order(hidden, bias, c: _Call, st, need, g_lp, g_ent) -> tuple:
     return gh, gw, gb
 
 
+def _make_call(flat, weight, bias, idx, temperature: float, softcap, logits_dtype) -> _Call:
+    """The :class:`_Call` of hidden rows ``flat`` ``(N, H)`` and labels ``idx`` ``(N,)`` (0 where ignored)."""
+    n, hdim = flat.shape
+    tiles = plan(weight.shape[0], hdim, flat.dtype, flat.device.type)
+    return _Call(flat.detach(), weight.detach(), None if bias is None else bias.detach(), idx.reshape(n, 1), tiles,
+                 result_dtype(flat.dtype), LOG2E / temperature, 1.0 / temperature, softcap, logits_dtype)
+
+
 def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_index, return_entropy,
                          softcap=None, logits_dtype=None):
     """The backend op behind :func:`logprob_registry.logprobs_from_hidden` for ``compiled``
@@ -559,16 +636,118 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
             return out.view(lead)
     ignored = None if ignore_index is None else y == ignore_index
     idx = y if ignored is None else y.masked_fill(ignored, 0)
-    tiles = plan(weight.shape[0], hdim, hidden.dtype, hidden.device.type)
-    c = _Call(flat.detach(), weight.detach(), None if bias is None else bias.detach(), idx.reshape(n, 1), tiles,
-              result_dtype(hidden.dtype), LOG2E / temperature, 1.0 / temperature, softcap, logits_dtype)
+    c = _make_call(flat, weight, bias, idx, temperature, softcap, logits_dtype)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         options = dict(temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy,
                        softcap=softcap, logits_dtype=logits_dtype)
         out = _FusedCompiled.apply(flat, weight, bias, c, ignored, return_entropy, y, options)
     else:
-        logp, ent, _, _ = _outputs(c, ignored, return_entropy)
+        logp, ent, _, _, _ = _outputs(c, ignored, return_entropy)
         out = (logp, ent) if return_entropy else logp
     if return_entropy:
         return out[0].view(lead), out[1].view(lead)
     return out.view(lead)
+
+
+# --------------------------------------------------------------------------- token_stats
+FIELDS = lr.TokenStats._fields
+#: The fields with a gradient (without truncation the raw ones are the processed ones: with labels
+#: and only these asked, the fused op itself runs), and those of the labels.
+DIFFERENTIABLE = frozenset({"logprobs", "entropy", "raw_logprobs", "raw_entropy"})
+LABELLED = frozenset({"logprobs", "raw_logprobs", "is_argmax"})
+
+
+def _stats_fields(logp, ent, extra: dict, want: frozenset) -> dict:
+    """The fields asked, flat per row: logprobs and entropy as the fused op computes them (the same
+    tensors), the raw ones their copies."""
+    out = dict(extra)
+    if logp is not None:
+        out["logprobs"], out["raw_logprobs"] = logp, logp.clone()
+    if ent is not None:
+        out["entropy"], out["raw_entropy"] = ent, ent.clone()
+    return {k: v for k, v in out.items() if k in want}
+
+
+class _FusedStats(torch.autograd.Function):
+    """token_stats' fields (all eight, None where not asked) through :func:`_fwd_stats_step`'s tiles;
+    backward through the fused op's (the summed upstream gradients of the processed and raw fields)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, c: _Call, ignored, want, labels, options):
+        logp, ent, stats, _, extra = _outputs(c, ignored, True, stats=True)
+        if labels is None:
+            logp = None
+        want_logp, want_entropy = bool(want & {"logprobs", "raw_logprobs"}), bool(want & {"entropy", "raw_entropy"})
+        _warm_backward(c, want_logp, want_entropy)
+        ctx.set_materialize_grads(False)
+        ctx.call, ctx.stats, ctx.labels, ctx.options = c, stats, labels, options
+        ctx.save_for_backward(hidden, weight, bias)
+        named = _stats_fields(logp, ent, extra, want)
+        outs = tuple(named.get(name) for name in FIELDS)
+        fixed = [o for name, o in zip(FIELDS, outs) if o is not None and name not in DIFFERENTIABLE]
+        if fixed:
+            ctx.mark_non_differentiable(*fixed)
+        return outs
+
+    @staticmethod
+    @backward_without_autocast
+    def backward(ctx, *grads):
+        named = dict(zip(FIELDS, grads))
+
+        def total(*names):
+            found = [named[n] for n in names if named[n] is not None]
+            return None if not found else found[0] if len(found) == 1 else found[0] + found[1]
+
+        g_lp, g_ent = total("logprobs", "raw_logprobs"), total("entropy", "raw_entropy")
+        hidden, weight, bias = ctx.saved_tensors
+        c, st = ctx.call, ctx.stats
+        need = tuple(ctx.needs_input_grad[:3])
+        if (g_lp is None and g_ent is None) or not any(need):
+            return (None,) * 8
+        if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
+            def outputs():
+                names = ("entropy",) if ctx.labels is None else ("logprobs", "entropy")
+                out = kit.reference_function("token_stats")(hidden, ctx.labels, weight=weight, bias=bias,
+                                                            outputs=names, dtype=c.cd, **ctx.options)
+                return (out.get("logprobs"), out["entropy"])
+
+            inputs = tuple(t if n else None for t, n in zip((hidden, weight, bias), need))
+            return second_order_gradient(outputs, inputs, (g_lp, g_ent)) + (None,) * 5
+        with torch.no_grad():
+            return _first_order(hidden, bias, c, st, need, g_lp, g_ent) + (None,) * 5
+
+
+def token_stats(hidden, weight, labels, *, bias, outputs, temperature, ignore_index, softcap=None):
+    """token_stats given hidden states (inputs validated; labels ``(...)`` or None). Only logprobs
+    and entropy (and their raw copies) with labels: the fused op itself (its bits by construction,
+    its RL-step paths: ignored rows skipped, a frozen weight's hidden gradient formed in forward).
+    Any other field: :func:`_fwd_stats_step`'s tiles, every field in the one pass."""
+    want = frozenset(outputs) - (LABELLED if labels is None else frozenset())
+    lead, hdim = hidden.shape[:-1], hidden.shape[-1]
+    n = lead.numel()
+    if n == 0 or hdim == 0:  # nothing to compile for
+        got = kit.reference_function("token_stats")(hidden, labels, weight=weight, bias=bias, outputs=tuple(want),
+                                                    temperature=temperature, ignore_index=ignore_index,
+                                                    softcap=softcap, dtype=result_dtype(hidden.dtype))
+        return lr.TokenStats(**{k: v for k, v in got.items() if k in want})
+
+    def shaped(named: dict) -> "lr.TokenStats":
+        return lr.TokenStats(**{k: v.view(labels.shape if k in LABELLED else lead) for k, v in named.items()})
+
+    if labels is not None and want <= DIFFERENTIABLE:
+        entropy = bool(want & {"entropy", "raw_entropy"})
+        out = logprobs_from_hidden(hidden, weight, labels, bias=bias, temperature=temperature,
+                                   ignore_index=ignore_index, return_entropy=entropy, softcap=softcap)
+        logp, ent = out if entropy else (out, None)
+        return shaped(_stats_fields(logp.reshape(n), None if ent is None else ent.reshape(n), {}, want))
+    flat = hidden.reshape(n, hdim)
+    y = torch.zeros(n, dtype=torch.int64, device=hidden.device) if labels is None else labels.reshape(n).long()
+    ignored = None if ignore_index is None or labels is None else y == ignore_index
+    c = _make_call(flat, weight, bias, y if ignored is None else y.masked_fill(ignored, 0), temperature, softcap, None)
+    if torch.is_grad_enabled() and want & DIFFERENTIABLE and \
+            any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        options = dict(temperature=temperature, ignore_index=ignore_index, softcap=softcap)
+        outs = _FusedStats.apply(flat, weight, bias, c, ignored, want, None if labels is None else y, options)
+        return shaped({name: o for name, o in zip(FIELDS, outs) if o is not None})
+    logp, ent, _, _, extra = _outputs(c, ignored, True, stats=True)
+    return shaped(_stats_fields(None if labels is None else logp, ent, extra, want))
