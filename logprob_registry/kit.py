@@ -23,7 +23,9 @@ Triton, never a compiler).
 - batch-invariant matmuls: :data:`MIN_GEMM_ROWS`, :func:`pad_rows`, :func:`add_matmul`;
 - ignored rows: :func:`on_active_rows` (a per-row op run on the rows whose label is not ignored);
 - a frozen lm_head: :func:`label_minus_mean` (the hidden gradient from an accumulated ``softmax @ W``);
-- ``is_argmax`` without an argmax reduction: :func:`first_max` (from the running max before the label);
+- ``token_stats``' fields: :data:`LABEL_STATS`, :data:`DIFFERENTIABLE_STATS`, :func:`stats_asked`, :func:`asked_stats`,
+  :func:`stats_gradients` (a field's and its raw twin's upstream gradients added), :func:`fixed_stats`;
+  ``is_argmax`` without an argmax reduction: :func:`first_max` (from the running max before the label);
 - CUDA graphs: :func:`capturing` (no host reads of device values while a graph is captured);
 - the tile protocol of the shard ops (``shard_stats``, ``shard_grad``, ...): :data:`TILE`,
   :func:`grid` (:class:`Slot`), :func:`grid_offset`, :func:`exact_sum` (:data:`QUANTUM_BITS`,
@@ -66,6 +68,7 @@ from .distributed.tiles import (
     tree_sum,
 )
 from .dtypes import FLOAT_DTYPES, dtype_name, result_dtype
+from .opspec import DIFFERENTIABLE_STATS, LABEL_STATS, asked_stats, fixed_stats, stats_asked, stats_gradients
 from .processing import PAD_ID
 from .processing import chain as shard_chain
 from .processing import grad_z as shard_grad_z
@@ -83,7 +86,9 @@ from .truth import reference_function, reference_outputs
 from .validation import capturing
 
 __all__ = [
+    "DIFFERENTIABLE_STATS",
     "FLOAT_DTYPES",
+    "LABEL_STATS",
     "MIN_GEMM_ROWS",
     "NEG_INF",
     "PAD_ID",
@@ -96,6 +101,7 @@ __all__ = [
     "Sampler",
     "Variable",
     "add_matmul",
+    "asked_stats",
     "autocast_enabled",
     "autocast_off",
     "backward_without_autocast",
@@ -103,6 +109,7 @@ __all__ = [
     "declare_variable",
     "dtype_name",
     "first_max",
+    "fixed_stats",
     "first_order_only",
     "float32_value",
     "keep_mask",
@@ -129,6 +136,8 @@ __all__ = [
     "shard_processed",
     "shard_rounded",
     "shard_top_list",
+    "stats_asked",
+    "stats_gradients",
     "tile_stats_",
     "token_tile_stats_",
     "tiled",

@@ -22,7 +22,7 @@ import functools
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -51,6 +51,45 @@ class TokenStats(NamedTuple):
 
 #: The statistics that need labels.
 LABEL_STATS = frozenset({"logprobs", "raw_logprobs", "is_argmax"})
+#: The statistics with a gradient (the op table's differentiable outputs of ``token_stats``).
+DIFFERENTIABLE_STATS = frozenset({"logprobs", "entropy", "raw_logprobs", "raw_entropy"})
+
+
+def stats_asked(want: Iterable[str]) -> Tuple[bool, bool]:
+    """Whether a ``token_stats`` call asking the fields ``want`` needs the log-probabilities and
+    the entropy (the field or its raw twin)."""
+    want = frozenset(want)
+    return bool(want & {"logprobs", "raw_logprobs"}), bool(want & {"entropy", "raw_entropy"})
+
+
+def stats_gradients(grads: Union[Sequence[Any], Mapping[str, Any]]) -> Tuple[Any, Any]:
+    """``token_stats``' upstream gradients, one per field in :class:`TokenStats`' order or by field
+    name (None where none), as the gradients of the log-probabilities and of the entropy of a call
+    without truncation, whose raw fields are the processed ones: each field's and its raw twin's added."""
+    named = grads if isinstance(grads, Mapping) else dict(zip(TokenStats._fields, grads))
+
+    def total(a, b):
+        return b if a is None else a if b is None else a + b
+
+    return total(named.get("logprobs"), named.get("raw_logprobs")), total(named.get("entropy"),
+                                                                          named.get("raw_entropy"))
+
+
+def asked_stats(fields: Mapping[str, Any], want: Iterable[str]) -> Dict[str, Any]:
+    """The fields of ``want`` from ``fields`` (the processed ones, and any others computed), a raw
+    twin asked for being a copy of its processed field (without truncation they are the same)."""
+    want = frozenset(want)
+    out = {k: v for k, v in fields.items() if k in want and v is not None}
+    for raw, twin in (("raw_logprobs", "logprobs"), ("raw_entropy", "entropy")):
+        if raw in want and fields.get(twin) is not None and fields.get(raw) is None:
+            out[raw] = fields[twin] if twin not in want else fields[twin].clone()
+    return out
+
+
+def fixed_stats(outs: Sequence[Any]) -> list:
+    """The fields given (``outs`` in :class:`TokenStats`' order) that have no gradient, for an
+    autograd Function's ``ctx.mark_non_differentiable``."""
+    return [o for name, o in zip(TokenStats._fields, outs) if o is not None and name not in DIFFERENTIABLE_STATS]
 
 
 _REFERENCES: Dict[str, Callable[..., Any]] = {}  # a reference= name -> its function in reference.py

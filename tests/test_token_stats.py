@@ -290,3 +290,24 @@ def test_chunked_keeps_and_forms_no_logits_sized_tensor(options, monkeypatch):
     logits_growth = (sizes[1] - sizes[0]) * v * 4
     assert retained[1] - retained[0] < 0.1 * logits_growth, (retained, logits_growth)
     assert peaks[1] - peaks[0] < 0.25 * logits_growth, (peaks, logits_growth)
+
+
+def test_the_kit_names_the_fields_as_the_op_table_does():
+    """kit.DIFFERENTIABLE_STATS and kit.LABEL_STATS are the op table's; stats_gradients adds a field's
+    and its raw twin's upstream gradients; asked_stats copies a processed field into its raw twin."""
+    from logprob_registry import kit
+    from logprob_registry.opspec import OPS
+
+    spec = OPS["token_stats"]
+    assert kit.DIFFERENTIABLE_STATS == {o.name for o in spec.results if o.differentiable}
+    assert kit.LABEL_STATS == {"logprobs", "raw_logprobs", "is_argmax"}
+    a, b = torch.ones(3), torch.full((3,), 2.0)
+    grads = [None] * len(lr.TokenStats._fields)
+    grads[lr.TokenStats._fields.index("logprobs")], grads[lr.TokenStats._fields.index("raw_logprobs")] = a, b
+    g_lp, g_ent = kit.stats_gradients(grads)
+    assert torch.equal(g_lp, a + b) and g_ent is None
+    assert kit.stats_gradients({"raw_entropy": b})[1] is b
+    got = kit.asked_stats({"logprobs": a, "entropy": b, "max_logit": None}, {"logprobs", "raw_logprobs", "raw_entropy"})
+    assert set(got) == {"logprobs", "raw_logprobs", "raw_entropy"} and got["logprobs"] is a
+    assert torch.equal(got["raw_logprobs"], a) and got["raw_logprobs"] is not a and got["raw_entropy"] is b
+    assert kit.stats_asked(("raw_logprobs", "max_logit")) == (True, False)

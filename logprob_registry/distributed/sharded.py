@@ -26,7 +26,7 @@ import torch
 
 from .. import processing
 from ..call import Call
-from ..opspec import OPS
+from ..opspec import DIFFERENTIABLE_STATS, OPS, stats_gradients
 from ..registry import Expected, Registry, get_registry
 from ..validation import check_label_range
 from . import core, header, kl, sampled
@@ -338,7 +338,6 @@ def _nothing_kept(merged: core.Merged) -> core.Merged:
 # ------------------------------------------------------------------ token_stats
 COUNT = 5  # tile_max, tile_sumexp, tile_elog, tile_sumsq, tile_zsum
 ROWS = 2   # row_max, row_argmax: the per-row columns before the label logits
-_DIFFERENTIABLE = ("logprobs", "entropy", "raw_logprobs", "raw_entropy")
 
 
 class Stats(Logits):
@@ -483,15 +482,14 @@ class Stats(Logits):
         return outs, (self.labels, empty, empty, empty, empty)
 
     def non_differentiable(self, outputs: tuple) -> tuple:
-        return tuple(o for f, o in zip(self.fields, outputs) if f not in _DIFFERENTIABLE)
+        return tuple(o for f, o in zip(self.fields, outputs) if f not in DIFFERENTIABLE_STATS)
 
     def backward(self, tensors: tuple, saved: tuple, grads: tuple, needs: tuple) -> tuple:
         labels, lse, entropy, raw_lse, raw_entropy = saved
         given = dict(zip(self.fields, grads))
-        g = {f: given.get(f) for f in _DIFFERENTIABLE}
+        g = {f: given.get(f) for f in DIFFERENTIABLE_STATS}
         if not self.truncating:  # the raw fields are the processed ones: one backward with both
-            total = (_add(g["logprobs"], g["raw_logprobs"]), _add(g["entropy"], g["raw_entropy"]))
-            return super().backward(tensors, (labels, lse, entropy), total, needs)
+            return super().backward(tensors, (labels, lse, entropy), stats_gradients(g), needs)
         out = super().backward(tensors, (labels, lse, entropy), (g["logprobs"], g["entropy"]), needs)
         if g["raw_logprobs"] is None and g["raw_entropy"] is None and not (self.hidden and self.needs[0]):
             return out

@@ -26,7 +26,7 @@ Without truncation the raw fields are the processed ones (copies). Backward keep
 only and recomputes each chunk or tile: the processed fields' gradient through the op's own backward,
 the raw fields' (with truncation) through the same backward with the truncation left out, the two
 summed chunk by chunk. ``log_sum_p2``, ``mean_logit``, ``max_logit`` and ``is_argmax`` are not
-differentiable (:data:`DIFFERENTIABLE`).
+differentiable (``kit.DIFFERENTIABLE_STATS``).
 """
 
 from __future__ import annotations
@@ -45,21 +45,9 @@ from . import _hidden, _sampler
 from . import _rows as loops
 
 FIELDS = lr.TokenStats._fields
-#: The fields with a gradient (the others are returned without a grad_fn).
-DIFFERENTIABLE = ("logprobs", "entropy", "raw_logprobs", "raw_entropy")
-LABELLED = frozenset({"logprobs", "raw_logprobs", "is_argmax"})
+LABELLED = kit.LABEL_STATS
 NEG_INF = float("-inf")
 _ONCE = "backend 'chunked' (token_stats)"
-
-
-def _sum_grads(*grads):
-    present = [g for g in grads if g is not None]
-    if not present:
-        return None
-    total = present[0]
-    for g in present[1:]:
-        total = total + g
-    return total
 
 
 def _pack(named: Dict[str, torch.Tensor]):
@@ -68,9 +56,7 @@ def _pack(named: Dict[str, torch.Tensor]):
 
 
 def _mark(ctx, outs) -> None:
-    fixed = [o for f, o in zip(FIELDS, outs) if o is not None and f not in DIFFERENTIABLE]
-    if fixed:
-        ctx.mark_non_differentiable(*fixed)
+    ctx.mark_non_differentiable(*kit.fixed_stats(outs))
 
 
 # ----------------------------------------------------------------------------- logits, plain
@@ -142,13 +128,8 @@ def _plain_forward(logits, plan: loops.Plan, index, valid, want: FrozenSet[str])
     if need_lp:  # logprobs_from_logits' own arithmetic (label probability, rare rows redone)
         lp = loops.logprobs(logits, plan, index, valid, loops.Stats(norm, plabel=plabel))
         out["logprobs"] = lp
-        if "raw_logprobs" in want:
-            out["raw_logprobs"] = lp.clone()
     if need_ent:  # logprobs_and_entropy's
-        ent = logz - mean_z
-        out["entropy"] = ent
-        if "raw_entropy" in want:
-            out["raw_entropy"] = ent.clone()
+        out["entropy"] = logz - mean_z
     if p2 is not None:  # log sum q**2 with q = p / norm
         out["log_sum_p2"] = 2.0 * (p2.log() - norm.log())
     if zsum is not None:
@@ -157,8 +138,7 @@ def _plain_forward(logits, plan: loops.Plan, index, valid, want: FrozenSet[str])
         out["max_logit"] = m.clone()
     if top is not None:
         out["is_argmax"] = top if valid is None else top & valid
-    out = {k: v for k, v in out.items() if k in want}
-    return out, loops.Stats(norm, m, logz, mean_z)
+    return kit.asked_stats(out, want), loops.Stats(norm, m, logz, mean_z)
 
 
 class _PlainStats(torch.autograd.Function):
@@ -333,7 +313,7 @@ def _grads_of(grads, index, valid, truncates: bool):
     g = dict(zip(FIELDS, grads))
     g_lp, g_ent, r_lp, r_ent = g["logprobs"], g["entropy"], g["raw_logprobs"], g["raw_entropy"]
     if not truncates:
-        g_lp, g_ent, r_lp, r_ent = _sum_grads(g_lp, r_lp), _sum_grads(g_ent, r_ent), None, None
+        (g_lp, g_ent), r_lp, r_ent = kit.stats_gradients(grads), None, None
 
     def labelled(t):
         if t is None:
@@ -455,12 +435,8 @@ def _hidden_outputs(logp, lse, ent, hx: _HiddenExtras, lab, labelled: bool, want
     out = {}
     if labelled:
         out["logprobs"] = logp
-        if "raw_logprobs" in want:
-            out["raw_logprobs"] = logp.clone()
     if ent is not None:
         out["entropy"] = ent
-        if "raw_entropy" in want:
-            out["raw_entropy"] = ent.clone()
     if hx.s2 is not None:  # log sum q**2 = log sum exp(2 (z - m)) - 2 log s, log s = lse - m
         m_safe = hx.mx.masked_fill(hx.mx == NEG_INF, 0.0)
         out["log_sum_p2"] = hx.s2.log() - 2.0 * (lse - m_safe)
@@ -470,7 +446,7 @@ def _hidden_outputs(logp, lse, ent, hx: _HiddenExtras, lab, labelled: bool, want
         out["max_logit"] = hx.mx
     if hx.before is not None:
         out["is_argmax"] = first_max(hx.picked, hx.mx, hx.before, lab.index) & lab.keep
-    return {k: v for k, v in out.items() if k in want}
+    return kit.asked_stats(out, want)
 
 
 def _hidden_forward(hidden, weight, bias, lab, temperature, want, labelled, tiles):
@@ -498,9 +474,7 @@ class _HiddenStats(torch.autograd.Function):
     def backward(ctx, *grads):
         hidden, weight, bias, lse, sbar = ctx.saved_tensors
         temperature, tiles = ctx.options
-        g = dict(zip(FIELDS, grads))
-        g_lp = _sum_grads(g["logprobs"], g["raw_logprobs"])
-        g_ent = _sum_grads(g["entropy"], g["raw_entropy"])
+        g_lp, g_ent = kit.stats_gradients(grads)
         need = tuple(ctx.needs_input_grad[:3])
         if (g_lp is None and g_ent is None) or not any(need):
             return (None,) * 8
@@ -664,4 +638,4 @@ def token_stats(inputs, labels, *, weight, bias, outputs, temperature, ignore_in
     return lr.TokenStats(**{name: shaped(name, got.get(name)) for name in FIELDS if name in want})
 
 
-__all__ = ["DIFFERENTIABLE", "token_stats"]
+__all__ = ["token_stats"]

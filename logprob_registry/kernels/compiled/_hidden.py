@@ -651,21 +651,12 @@ def logprobs_from_hidden(hidden, weight, labels, *, bias, temperature, ignore_in
 
 # --------------------------------------------------------------------------- token_stats
 FIELDS = lr.TokenStats._fields
-#: The fields with a gradient (without truncation the raw ones are the processed ones: with labels
-#: and only these asked, the fused op itself runs), and those of the labels.
-DIFFERENTIABLE = frozenset({"logprobs", "entropy", "raw_logprobs", "raw_entropy"})
-LABELLED = frozenset({"logprobs", "raw_logprobs", "is_argmax"})
 
 
 def _stats_fields(logp, ent, extra: dict, want: frozenset) -> dict:
     """The fields asked, flat per row: logprobs and entropy as the fused op computes them (the same
     tensors), the raw ones their copies."""
-    out = dict(extra)
-    if logp is not None:
-        out["logprobs"], out["raw_logprobs"] = logp, logp.clone()
-    if ent is not None:
-        out["entropy"], out["raw_entropy"] = ent, ent.clone()
-    return {k: v for k, v in out.items() if k in want}
+    return kit.asked_stats(dict(extra, logprobs=logp, entropy=ent), want)
 
 
 class _FusedStats(torch.autograd.Function):
@@ -677,28 +668,20 @@ class _FusedStats(torch.autograd.Function):
         logp, ent, stats, _, extra = _outputs(c, ignored, True, stats=True)
         if labels is None:
             logp = None
-        want_logp, want_entropy = bool(want & {"logprobs", "raw_logprobs"}), bool(want & {"entropy", "raw_entropy"})
+        want_logp, want_entropy = kit.stats_asked(want)
         _warm_backward(c, want_logp, want_entropy)
         ctx.set_materialize_grads(False)
         ctx.call, ctx.stats, ctx.labels, ctx.options = c, stats, labels, options
         ctx.save_for_backward(hidden, weight, bias)
         named = _stats_fields(logp, ent, extra, want)
         outs = tuple(named.get(name) for name in FIELDS)
-        fixed = [o for name, o in zip(FIELDS, outs) if o is not None and name not in DIFFERENTIABLE]
-        if fixed:
-            ctx.mark_non_differentiable(*fixed)
+        ctx.mark_non_differentiable(*kit.fixed_stats(outs))
         return outs
 
     @staticmethod
     @backward_without_autocast
     def backward(ctx, *grads):
-        named = dict(zip(FIELDS, grads))
-
-        def total(*names):
-            found = [named[n] for n in names if named[n] is not None]
-            return None if not found else found[0] if len(found) == 1 else found[0] + found[1]
-
-        g_lp, g_ent = total("logprobs", "raw_logprobs"), total("entropy", "raw_entropy")
+        g_lp, g_ent = kit.stats_gradients(grads)
         hidden, weight, bias = ctx.saved_tensors
         c, st = ctx.call, ctx.stats
         need = tuple(ctx.needs_input_grad[:3])
@@ -722,7 +705,7 @@ def token_stats(hidden, weight, labels, *, bias, outputs, temperature, ignore_in
     and entropy (and their raw copies) with labels: the fused op itself (its bits by construction,
     its RL-step paths: ignored rows skipped, a frozen weight's hidden gradient formed in forward).
     Any other field: :func:`_fwd_stats_step`'s tiles, every field in the one pass."""
-    want = frozenset(outputs) - (LABELLED if labels is None else frozenset())
+    want = frozenset(outputs) - (kit.LABEL_STATS if labels is None else frozenset())
     lead, hdim = hidden.shape[:-1], hidden.shape[-1]
     n = lead.numel()
     if n == 0 or hdim == 0:  # nothing to compile for
@@ -732,10 +715,10 @@ def token_stats(hidden, weight, labels, *, bias, outputs, temperature, ignore_in
         return lr.TokenStats(**{k: v for k, v in got.items() if k in want})
 
     def shaped(named: dict) -> "lr.TokenStats":
-        return lr.TokenStats(**{k: v.view(labels.shape if k in LABELLED else lead) for k, v in named.items()})
+        return lr.TokenStats(**{k: v.view(labels.shape if k in kit.LABEL_STATS else lead) for k, v in named.items()})
 
-    if labels is not None and want <= DIFFERENTIABLE:
-        entropy = bool(want & {"entropy", "raw_entropy"})
+    if labels is not None and want <= kit.DIFFERENTIABLE_STATS:
+        entropy = kit.stats_asked(want)[1]
         out = logprobs_from_hidden(hidden, weight, labels, bias=bias, temperature=temperature,
                                    ignore_index=ignore_index, return_entropy=entropy, softcap=softcap)
         logp, ent = out if entropy else (out, None)
@@ -744,7 +727,7 @@ def token_stats(hidden, weight, labels, *, bias, outputs, temperature, ignore_in
     y = torch.zeros(n, dtype=torch.int64, device=hidden.device) if labels is None else labels.reshape(n).long()
     ignored = None if ignore_index is None or labels is None else y == ignore_index
     c = _make_call(flat, weight, bias, y if ignored is None else y.masked_fill(ignored, 0), temperature, softcap, None)
-    if torch.is_grad_enabled() and want & DIFFERENTIABLE and \
+    if torch.is_grad_enabled() and want & kit.DIFFERENTIABLE_STATS and \
             any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         options = dict(temperature=temperature, ignore_index=ignore_index, softcap=softcap)
         outs = _FusedStats.apply(flat, weight, bias, c, ignored, want, None if labels is None else y, options)

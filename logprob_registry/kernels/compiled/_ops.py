@@ -336,9 +336,6 @@ class _LogSoftmaxOps(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- token_stats
 FIELDS = lr.TokenStats._fields
-#: The fields with a gradient; without truncation the raw ones are the processed ones.
-DIFFERENTIABLE = frozenset({"logprobs", "entropy", "raw_logprobs", "raw_entropy"})
-LABELLED = frozenset({"logprobs", "raw_logprobs", "is_argmax"})
 #: The fields only token_stats' own kernel computes (the others come from the ops' kernels).
 EXTRA = frozenset({"log_sum_p2", "mean_logit", "is_argmax"})
 
@@ -346,12 +343,7 @@ EXTRA = frozenset({"log_sum_p2", "mean_logit", "is_argmax"})
 def _stats_fields(f: _Forward, want: frozenset, inv_t: float, vocab: int) -> dict:
     """The fields asked, flat per row, from one forward: logprobs and entropy exactly as the ops
     compute them (the same tensors), the raw ones their copies."""
-    out = {}
-    if f.logp is not None:
-        out["logprobs"], out["raw_logprobs"] = f.logp, f.logp.clone()
-    if f.entropy is not None:
-        out["entropy"], out["raw_entropy"] = f.entropy, f.entropy.clone()
-    out["max_logit"] = f.m * inv_t
+    out = {"logprobs": f.logp, "entropy": f.entropy, "max_logit": f.m * inv_t}
     if f.extra:
         total, q, top, at, same = f.extra
         out["mean_logit"] = total * inv_t / vocab
@@ -359,7 +351,7 @@ def _stats_fields(f: _Forward, want: frozenset, inv_t: float, vocab: int) -> dic
         if "is_argmax" in want:
             first = _first_maximum(f.rows, f.idx, top, at, same)
             out["is_argmax"] = first if f.ignored is None else first & ~f.ignored
-    return {k: v for k, v in out.items() if k in want}
+    return kit.asked_stats(out, want)
 
 
 def _first_maximum(rows, idx, top, at, same) -> torch.Tensor:
@@ -380,8 +372,7 @@ def _first_maximum(rows, idx, top, at, same) -> torch.Tensor:
 
 
 def _stats_forward(logits, labels, inv_t, ignore_index, want: frozenset, cap) -> _Forward:
-    want_logp = bool(want & {"logprobs", "raw_logprobs"})
-    want_entropy = bool(want & {"entropy", "raw_entropy"})
+    want_logp, want_entropy = kit.stats_asked(want)
     return _forward(logits, labels, inv_t, ignore_index, want_logp, want_entropy, cap, stats=bool(want & EXTRA))
 
 
@@ -398,23 +389,15 @@ class _TokenStats(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         lead = logits.shape[:-1]
         named = _stats_fields(f, want, inv_t, logits.shape[-1])
-        outs = tuple(None if n not in named else named[n].view(labels.shape if n in LABELLED else lead)
+        outs = tuple(None if n not in named else named[n].view(labels.shape if n in kit.LABEL_STATS else lead)
                      for n in FIELDS)
-        fixed = [o for n, o in zip(FIELDS, outs) if o is not None and n not in DIFFERENTIABLE]
-        if fixed:
-            ctx.mark_non_differentiable(*fixed)
+        ctx.mark_non_differentiable(*kit.fixed_stats(outs))
         return outs
 
     @staticmethod
     @backward_without_autocast
     def backward(ctx, *grads):
-        named = dict(zip(FIELDS, grads))
-
-        def total(*names):
-            found = [named[n] for n in names if named[n] is not None]
-            return None if not found else found[0] if len(found) == 1 else found[0] + found[1]
-
-        g_lp, g_ent = total("logprobs", "raw_logprobs"), total("entropy", "raw_entropy")
+        g_lp, g_ent = kit.stats_gradients(grads)
         if g_lp is None and g_ent is None:
             return (None,) * 6
         return (_backward(ctx, g_lp, g_ent),) + (None,) * 5
@@ -424,19 +407,19 @@ def token_stats(logits, labels, outputs, temperature, ignore_index, softcap=None
     """compiled's token_stats over logits: one forward kernel per block of rows (the entropy's, or
     with mean_logit, log_sum_p2 or is_argmax token_stats' own, which computes the entropy's
     statistics by the same expressions); the gradient through the ops' one-pass kernel."""
-    want = frozenset(outputs) - (LABELLED if labels is None else frozenset())
+    want = frozenset(outputs) - (kit.LABEL_STATS if labels is None else frozenset())
     if logits.numel() == 0:  # nothing to compile for
         got = kit.reference_function("token_stats")(logits, labels, outputs=tuple(want), temperature=temperature,
                                                     ignore_index=ignore_index, softcap=softcap,
                                                     dtype=result_dtype(logits.dtype))
         return lr.TokenStats(**{k: v for k, v in got.items() if k in want})
     inv_t = 1.0 / temperature
-    if torch.is_grad_enabled() and logits.requires_grad and want & DIFFERENTIABLE:
+    if torch.is_grad_enabled() and logits.requires_grad and want & kit.DIFFERENTIABLE_STATS:
         return lr.TokenStats(*_TokenStats.apply(logits, labels, inv_t, ignore_index, want, softcap))
     f = _stats_forward(logits, labels, inv_t, ignore_index, want, softcap)
     lead = logits.shape[:-1]
     named = _stats_fields(f, want, inv_t, logits.shape[-1])
-    return lr.TokenStats(**{n: v.view(labels.shape if n in LABELLED else lead) for n, v in named.items()})
+    return lr.TokenStats(**{n: v.view(labels.shape if n in kit.LABEL_STATS else lead) for n, v in named.items()})
 
 
 def apply(logits, labels, temperature, ignore_index, want_logp, want_entropy, inplace, softcap=None):

@@ -550,8 +550,6 @@ def logprobs_and_entropy(logits, labels, temperature: float, ignore_index: Optio
 
 # ------------------------------------------------------------------------------------- token_stats
 FIELDS = lr.TokenStats._fields
-DIFFERENTIABLE = frozenset({"logprobs", "entropy", "raw_logprobs", "raw_entropy"})
-LABELLED = frozenset({"logprobs", "raw_logprobs", "is_argmax"})
 #: The fields only the forward kernel's STATS branch computes.
 EXTRA = frozenset({"log_sum_p2", "mean_logit", "is_argmax"})
 
@@ -559,7 +557,7 @@ EXTRA = frozenset({"log_sum_p2", "mean_logit", "is_argmax"})
 def _stats_forward(logits, labels, temperature, ignore_index, want, softcap):
     """(fields by name, flat, those asked; what the backward needs: ent, m, log_s), one forward pass:
     logprobs and entropy as the ops' kernel computes them (STATS adds independent sums only)."""
-    want_lp, want_ent = bool(want & {"logprobs", "raw_logprobs"}), bool(want & {"entropy", "raw_entropy"})
+    want_lp, want_ent = kit.stats_asked(want)
     n = math.prod(logits.shape[:-1])
     acc, dev = _acc(logits.dtype), logits.device
     stats = None
@@ -569,12 +567,8 @@ def _stats_forward(logits, labels, temperature, ignore_index, want, softcap):
     # the labels reach the kernel only for the log-probabilities; is_argmax compares here
     lp, ent, m, log_s = _forward(logits, labels if want_lp else None, temperature, ignore_index, want_lp, want_ent,
                                  softcap, stats)
-    out = {}
-    if lp is not None:
-        out["logprobs"], out["raw_logprobs"] = lp.view(-1), lp.view(-1).clone()
-    if ent is not None:
-        out["entropy"], out["raw_entropy"] = ent.view(-1), ent.view(-1).clone()
-    out["max_logit"] = m.clone()
+    out = {"logprobs": None if lp is None else lp.view(-1), "entropy": None if ent is None else ent.view(-1),
+           "max_logit": m.clone()}
     if stats is not None:
         zs, q, first = stats
         out["mean_logit"] = zs / logits.shape[-1]
@@ -583,11 +577,12 @@ def _stats_forward(logits, labels, temperature, ignore_index, want, softcap):
             flat = labels.reshape(-1).to(torch.int64)
             top = first == flat
             out["is_argmax"] = top if ignore_index is None else top & (flat != ignore_index)
-    return {k: v for k, v in out.items() if k in want}, (ent, m, log_s)
+    return kit.asked_stats(out, want), (ent, m, log_s)
 
 
 def _shaped(named, labels, lead):
-    return tuple(None if n not in named else named[n].view(labels.shape if n in LABELLED else lead) for n in FIELDS)
+    return tuple(None if n not in named else named[n].view(labels.shape if n in kit.LABEL_STATS else lead)
+                 for n in FIELDS)
 
 
 class _TokenStats(torch.autograd.Function):
@@ -601,9 +596,7 @@ class _TokenStats(torch.autograd.Function):
         ctx.options = (temperature, ignore_index, softcap)
         ctx.set_materialize_grads(False)
         outs = _shaped(named, labels, logits.shape[:-1])
-        fixed = [o for n, o in zip(FIELDS, outs) if o is not None and n not in DIFFERENTIABLE]
-        if fixed:
-            ctx.mark_non_differentiable(*fixed)
+        ctx.mark_non_differentiable(*kit.fixed_stats(outs))
         return outs
 
     @staticmethod
@@ -611,13 +604,7 @@ class _TokenStats(torch.autograd.Function):
     def backward(ctx, *grads):
         logits, labels, ent, m, log_s = ctx.saved_tensors
         temperature, ignore_index, softcap = ctx.options
-        named = dict(zip(FIELDS, grads))
-
-        def total(*names):
-            found = [named[n] for n in names if named[n] is not None]
-            return None if not found else found[0] if len(found) == 1 else found[0] + found[1]
-
-        g_lp, g_ent = total("logprobs", "raw_logprobs"), total("entropy", "raw_entropy")
+        g_lp, g_ent = kit.stats_gradients(grads)
         if g_lp is None and g_ent is None:
             return (None,) * 6
         if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
@@ -637,7 +624,7 @@ def token_stats(logits, labels, outputs, temperature: float, ignore_index: Optio
                 softcap: Optional[float] = None) -> "lr.TokenStats":
     """triton's token_stats over logits: one forward pass of the ops' kernel with its STATS branch."""
     _check_device(logits)
-    want = frozenset(outputs) - (LABELLED if labels is None else frozenset())
+    want = frozenset(outputs) - (kit.LABEL_STATS if labels is None else frozenset())
     if ignore_index is not None and not -2**63 <= ignore_index < 2**63:
         ignore_index = None  # no int64 label can equal it
     if logits.numel() == 0:
@@ -645,7 +632,7 @@ def token_stats(logits, labels, outputs, temperature: float, ignore_index: Optio
                                                     ignore_index=ignore_index, softcap=softcap,
                                                     dtype=result_dtype(logits.dtype))
         return lr.TokenStats(**{k: v for k, v in got.items() if k in want})
-    if logits.requires_grad and torch.is_grad_enabled() and want & DIFFERENTIABLE:
+    if logits.requires_grad and torch.is_grad_enabled() and want & kit.DIFFERENTIABLE_STATS:
         return lr.TokenStats(*_TokenStats.apply(logits, labels, temperature, ignore_index, want, softcap))
     named, _ = _stats_forward(logits, labels, temperature, ignore_index, want, softcap)
     return lr.TokenStats(*_shaped(named, labels, logits.shape[:-1]))
