@@ -22,6 +22,9 @@ from ._kernels import LN2, LOG2E, CompileError, _grad_math, _run
 #: Bytes of float32 temporaries (8 per logit) per block of the eager backward used when a backward
 #: kernel cannot be compiled: a block is EAGER_BLOCK_BYTES // (8 * V) rows.
 EAGER_BLOCK_BYTES = 64 << 20
+#: Bytes of the active rows per call of the in-place row kernel (:func:`_grad_rows`): 2 MiB, 16 rows
+#: of 32768 float32 logits, measured at 4096x32768 (its backward 31 ms against 52 ms in one call).
+INPLACE_BLOCK_BYTES = 2 << 20
 _lock = threading.RLock()
 
 # --------------------------------------------------------------------------- layout
@@ -310,9 +313,13 @@ def _grad_rows(out, rows, index, want: tuple, args: tuple, inplace: bool) -> boo
     key = (name, want) + _layout(rows)
     if key in _gathered_backward or _aot.built(name, rows, want):
         return False
-    pick = _pair(index)
+    # in place, the kernel forms the rows' gradient in a scratch of their size before storing it: a
+    # block of them at a time, so that the scratch is reused (no page faults) and stays in cache
+    step = max(2, INPLACE_BLOCK_BYTES // (rows.element_size() * rows.shape[1])) if inplace else index.numel()
     try:
-        _run("bwd_rows", out, rows, pick, *_take_rows(args, pick, rows.shape[0]))
+        for start in range(0, index.numel(), step):
+            pick = _pair(index[start:start + step])
+            _run("bwd_rows", out, rows, pick, *_take_rows(args, pick, rows.shape[0]))
     except CompileError as exc:
         with _lock:
             _gathered_backward[key] = str(exc)
