@@ -244,7 +244,7 @@ def test_compile_failure_falls_back_with_one_warning_and_raises_when_chosen(fres
     assert "using 'chunked' instead" in messages[0]
     expected = lr.logprobs_from_logits(logits, labels, ignore_index=-100, backend="chunked")
     assert torch.equal(out, expected) and torch.equal(again, expected)
-    with pytest.raises(compiled.CompileError, match="fwd_logprobs kernel failed .* injected inductor failure"):
+    with pytest.raises(compiled.CompileError, match="fwd_logprobs(_rows)? kernel failed .* injected inductor failure"):
         lr.logprobs_from_logits(logits, labels, ignore_index=-100, backend="compiled")
 
 
@@ -287,14 +287,18 @@ def test_backward_kernel_failing_late_runs_the_same_math_eagerly(fresh, monkeypa
 
 
 @needs_compiler
-def test_graph_break_raises_from_the_forward(fresh, monkeypatch):
-    def breaks(x, idx, inv_t):
-        torch._dynamo.graph_break()
-        return _kernels._fwd_logprobs(x, idx, inv_t)
+@pytest.mark.parametrize("name", ["fwd_logprobs", "fwd_logprobs_rows"])
+def test_graph_break_raises_from_the_forward(fresh, monkeypatch, name):
+    kernel = _kernels.KERNELS[name]
 
-    monkeypatch.setitem(_kernels.KERNELS, "fwd_logprobs", breaks)
-    logits, labels = case()
-    with pytest.raises(compiled.CompileError, match="fwd_logprobs kernel failed"):
+    def breaks(*args):
+        torch._dynamo.graph_break()
+        return kernel(*args)
+
+    monkeypatch.setitem(_kernels.KERNELS, name, breaks)
+    logits, labels = case()  # with ignored labels: the row kernel; without, the kernel over every row
+    labels = labels if name.endswith("_rows") else labels.clamp(min=0)
+    with pytest.raises(compiled.CompileError, match=f"{name} kernel failed"):
         lr.logprobs_from_logits(logits, labels, ignore_index=-100, backend="compiled")
 
 
@@ -332,14 +336,31 @@ def test_broken_compiler_at_run_time_falls_back_with_one_warning(tmp_path):
     assert "backend 'compiled' failed" in message and "using 'chunked' instead" in message
 
 
+def spy_rows(monkeypatch) -> list:
+    """(kernel, rows it computes) for each kernel _ops runs but the backward's warm-up: the length of
+    the index a row kernel gets, the rows another gets."""
+    seen = []
+    run = _ops._run
+
+    def spied(name, *args):
+        if name == "bwd_rows":
+            seen.append((name, args[2].numel()))
+        elif name.endswith("_rows"):
+            seen.append((name, args[1].numel()))
+        elif not (name.startswith("bwd") and args[0].shape[0] <= 2):  # not a warm-up
+            seen.append((name, args[0].shape[0]))
+        return run(name, *args)
+
+    monkeypatch.setattr(_ops, "_run", spied)
+    return seen
+
+
 @pytest.mark.parametrize("inplace", [False, True])
 def test_backward_skips_rows_with_a_zero_upstream_gradient(inplace, monkeypatch):
     """Ignored labels and zero upstream gradients (GRPO's prompt rows): exact zeros there, every
     other row's gradient bitwise that of a call on those rows alone (the kernel is per row), and the
-    gradient kernel sees the active rows only."""
-    seen = []
-    grad = _ops._grad
-    monkeypatch.setattr(_ops, "_grad", lambda rows, *a, **k: seen.append(rows.shape[0]) or grad(rows, *a, **k))
+    gradient kernel sees the active rows only: the row kernel gets their index, no copy of them."""
+    seen = spy_rows(monkeypatch)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(48, 700, generator=g) * 3
     y = torch.randint(0, 700, (48,), generator=g)
@@ -351,7 +372,7 @@ def test_backward_skips_rows_with_a_zero_upstream_gradient(inplace, monkeypatch)
     (lp.sum() + (ent * up).sum()).backward()
     active = (y != -100) | (up != 0)
     assert bool((leaf.grad[~active] == 0).all()) and int((~active).sum()) > 0
-    assert seen == [int(active.sum())]
+    assert seen == [("fwd_entropy", 48), ("bwd_rows", int(active.sum()))]
     sub = x[active].clone().requires_grad_(True)
     lp, ent = lr.logprobs_and_entropy(sub, y[active], ignore_index=-100, backend="compiled")
     (lp.sum() + (ent * up[active]).sum()).backward()
@@ -363,10 +384,9 @@ def test_backward_skips_rows_with_a_zero_upstream_gradient(inplace, monkeypatch)
 def test_logprobs_forward_runs_on_the_rows_whose_label_is_not_ignored(inplace, softcap, monkeypatch):
     """logprobs_from_logits (no entropy asked) runs its kernel on the active rows only: their results
     and gradients bitwise a call over them alone, the ignored rows 0 with a zero gradient, also when
-    every row is ignored."""
-    seen = []
-    row_stats = _ops._row_stats
-    monkeypatch.setattr(_ops, "_row_stats", lambda name, rows, *a: seen.append(rows.shape[0]) or row_stats(name, rows, *a))
+    every row is ignored. The row kernels read them where they lie (the softcap's forward: on their
+    copy, see _math._fwd_logprobs_rows)."""
+    seen = spy_rows(monkeypatch)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(40, 600, generator=g) * 3
     y = torch.randint(0, 600, (40,), generator=g)
@@ -382,9 +402,39 @@ def test_logprobs_forward_runs_on_the_rows_whose_label_is_not_ignored(inplace, s
     alone.sum().backward()
     assert torch.equal(lp[active], alone) and torch.equal(leaf.grad[active], sub.grad)
     assert bool((lp[~active] == 0).all()) and bool((leaf.grad[~active] == 0).all())
-    assert seen == [int(active.sum())] * 2  # the kernel saw the active rows only, both calls
+    forward = "fwd_logprobs_rows" if softcap is None else "fwd_logprobs_softcap"
+    base, k = "fwd_logprobs" + ("" if softcap is None else "_softcap"), int(active.sum())
+    assert seen == [(forward, k), ("bwd_rows", k), (base, k), ("bwd" + ("" if softcap is None else "_softcap"), k)]
     none = lr.logprobs_from_logits(x, torch.full_like(y, -100), **kw)
     assert torch.equal(none, torch.zeros(40))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("count", [1, 7])
+def test_row_kernels_give_an_active_row_the_bits_of_the_call_over_every_row(inplace, count, monkeypatch):
+    """The row kernels (the gather fused into their loads, backward the scatter into their stores;
+    a single active row as two) give each active row the bits of the call over every row, forward
+    and backward, and every other row exact zeros, in place over the logits too (there in blocks of
+    rows: 3 here, the last block of one row as two)."""
+    seen = spy_rows(monkeypatch)
+    monkeypatch.setattr(_ops, "INPLACE_BLOCK_BYTES", 3 * 4 * 900)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(24, 900, generator=g) * 3
+    y = torch.randint(0, 900, (24,), generator=g)
+    active = torch.zeros(24, dtype=torch.bool)
+    active[torch.randperm(24, generator=g)[:count]] = True
+    weights = torch.rand(24, generator=g) + 0.5
+    kw = dict(ignore_index=-100, temperature=0.9, backend="compiled")
+    leaf = x.clone().requires_grad_(True)
+    lp = lr.logprobs_from_logits(leaf * 1, y.masked_fill(~active, -100), inplace_backward=inplace, **kw)
+    (lp * weights).sum().backward()
+    blocks = ([2] if count == 1 else [3, 3, 2]) if inplace else [max(count, 2)]
+    assert seen[:1 + len(blocks)] == [("fwd_logprobs_rows", max(count, 2))] + [("bwd_rows", b) for b in blocks]
+    every = x.clone().requires_grad_(True)
+    full = lr.logprobs_from_logits(every, y, **kw)
+    (full * weights * active).sum().backward()  # the same upstream gradients: 0 off the active rows
+    assert torch.equal(lp[active], full[active]) and torch.equal(leaf.grad[active], every.grad[active])
+    assert bool((lp[~active] == 0).all()) and bool((leaf.grad[~active] == 0).all())
 
 
 def test_exact_sums_are_the_kits_bits_from_float32_parts():

@@ -267,6 +267,17 @@ def run(name: str, args: tuple):
         return MISSING
 
 
+
+def built(name: str, x: torch.Tensor, want: Optional[Tuple[bool, bool]] = None) -> bool:
+    """Whether kernel ``name``'s package (a backward's for an op's ``want``) is built for x's device,
+    dtype and vocabulary class. A call with skipped rows then gathers them for the package, so that a
+    process after ``warmup`` compiles nothing; without one it takes the row kernels (_ops)."""
+    if name not in FORWARD and name not in BACKWARD:
+        return False
+    if x.device.type != "cpu" or x.dtype not in FLOAT_DTYPES or x.shape[-1] < 2:
+        return False
+    return _package(Spec(name, x.dtype, x.shape[-1] > SMALL_VOCAB, want if name in BACKWARD else None)) is not None
+
 def _forward(package: _Package, x, idx, k):
     if x.shape[0] == 2 and x.stride(0) == 0 and x.stride(1) == 1:  # a row as two views of itself
         x = x.contiguous()  # 2 x V: the package's rows are V apart (_ops._row_stats makes the pair)

@@ -100,7 +100,7 @@ def _notice(name: str, x: torch.Tensor) -> None:
     dtype = str(x.dtype).replace("torch.", "")
     ahead = (f"`logprob-registry warmup --dtype {dtype}` builds it ahead, once per machine, and a later "
              "process then loads it in well under a second (docs/backends/compiled.md, \"First call\")"
-             if x.device.type == "cpu" and name in _aot.FORWARD + _aot.BACKWARD else
+             if x.device.type == "cpu" and name in _aot.FORWARD + _aot.BACKWARD + ("fwd_logprobs_rows", "bwd_rows") else
              "make one small call at start-up to pay it before the first training step")
     log.warning("logprob_registry: backend 'compiled' is compiling its %s kernel for %s %s logits with "
                 "torch.compile (inductor), once per process: this call waits %s; %s.",

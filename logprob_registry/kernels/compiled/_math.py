@@ -200,9 +200,25 @@ def _bwd_inplace_softcap(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: flo
     x.copy_(_grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k, inv_t, cap))
 
 
+# The row kernels of a call with skipped rows (ignored labels, zero upstream gradients): the kernels
+# above on the rows ``index`` of x, the gather fused into their loads (and, backward, the scatter into
+# their stores), so that no copy of the active rows is made. Per row the same code as over every row:
+# an active row's results are bitwise those of the call over every row.
+def _fwd_logprobs_rows(x, index, idx, k: float):
+    """:func:`_fwd_logprobs` of the rows ``index`` of x. (None for the softcap: the label's softcapped
+    logit, fused so, is not rounded as the kernel over every row rounds it.)"""
+    return _fwd_logprobs(x.index_select(0, index), idx, k)
+
+
+def _bwd_rows(out, x, index, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float, cap: Optional[float] = None):
+    """The gradient of the rows ``index`` of x written into those rows of ``out`` (x itself in place)."""
+    out.index_copy_(0, index, _grad_math(x.index_select(0, index), idx, m, log2_s, h, g_lp, g_ent, k, inv_t, cap))
+
+
 KERNELS: Dict[str, Callable] = {
     f.__name__.lstrip("_"): f for f in (_fwd_logprobs, _fwd_entropy, _bwd, _bwd_inplace, _fwd_logprobs_softcap,
                                         _fwd_entropy_softcap, _bwd_softcap, _bwd_inplace_softcap, _fwd_stats,
                                         _fwd_stats_softcap, _tile_stats,
-                                        _tile_stats_entropy, _tile_stats_ref, _tile_stats_entropy_ref)
+                                        _tile_stats_entropy, _tile_stats_ref, _tile_stats_entropy_ref,
+                                        _fwd_logprobs_rows, _bwd_rows)
 }
