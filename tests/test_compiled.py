@@ -9,6 +9,7 @@ Compiling costs seconds, so the tests share a few kinds of call (float32, V=37, 
 sliced) and the ones that start the compiler afresh come last.
 """
 
+import inspect
 import os
 import subprocess
 import sys
@@ -439,12 +440,16 @@ def test_row_kernels_give_an_active_row_the_bits_of_the_call_over_every_row(inpl
 
 def test_exact_sums_are_the_kits_bits_from_float32_parts():
     """The tile kernels' exact sum (three float32 sums, constants written out in _math, whose source
-    keys the prebuilt packages) is kit.exact_sum's bits, for float32 and float64 terms, in any order."""
+    keys the prebuilt packages, as literals in the kernels' code) is kit.exact_sum's bits, for float32
+    and float64 terms, in any order, and so is a tile's sum from pieces of any widths read in place
+    (the shard op's blocks)."""
     from logprob_registry import kit
     from logprob_registry.distributed.tiles import PART_CONSTANTS
     from logprob_registry.kernels.compiled import _math
 
     assert _math._PARTS == PART_CONSTANTS and _math._QUANTUM == 2.0 ** kit.QUANTUM_BITS
+    source = inspect.getsource(_math._part_sums)  # the kernels write them as literals
+    assert all(repr(c) in source for c in PART_CONSTANTS + (_math._QUANTUM, 1 / _math._QUANTUM))
     g = torch.Generator().manual_seed(3)
     terms = torch.rand(16, 4096, generator=g) * 1.37 - 0.37  # e in [0, 1] and e * (z - m) in [-1/e, 0]
     terms[0, :7] = torch.tensor([2.0 ** -37, 3 * 2.0 ** -37, 0.5 + 2.0 ** -37, 1.0, 0.0, -2.0 ** -37, 2.0 ** -12 * 1.5])
@@ -455,3 +460,18 @@ def test_exact_sums_are_the_kits_bits_from_float32_parts():
     hi, mid, lo = kit.exact_parts(terms)
     for part, bits in ((hi, 12), (mid, 24), (lo, 36)):  # each a multiple of its quantum
         assert torch.equal(torch.round(part.double() * 2.0 ** bits), part.double() * 2.0 ** bits)
+    from logprob_registry.kernels.compiled import _shards
+
+    x = (torch.randn(5, 3 * 4096 + 7, generator=g) * 4).to(torch.bfloat16)
+    x[1, 4096:8192] = float("-inf")
+    kw = dict(tile=4096, temperature=0.7, ignore_index=None, with_entropy=True)
+    whole = _shards.shard_stats(x[:, :3 * 4096], None, vocab_start=0, **kw)
+    for cut in (4096 + 1, 4096 + 2000, 2 * 4096 - 2):  # the tile [4096, 8192) in two pieces
+        top = whole[0][:, 1]
+        left = _shards.shard_stats(x[:, 4096:cut], None, vocab_start=4096, reference=top, **kw)
+        right = _shards.shard_stats(x[:, cut:8192], None, vocab_start=cut, reference=top, **kw)
+        for i in (1, 2):
+            assert torch.equal(left[i][:, 0] + right[i][:, 0], whole[i][:, 1])
+        tail = _shards.shard_stats(x[:, cut:], None, vocab_start=cut, **kw)  # a strided shard off the grid
+        for i in range(3):
+            assert torch.equal(tail[i][:, 1], whole[i][:, 2])

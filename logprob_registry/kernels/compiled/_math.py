@@ -127,46 +127,70 @@ def _grad_math(x, idx, m, log2_s, h, g_lp, g_ent, k: float, inv_t: float, cap: O
 
 
 # kit.QUANTUM_BITS and kit.PART_CONSTANTS, written out: this module's source is the prebuilt packages'
-# key (tests/test_compiled.py checks that they are the kit's).
+# key (tests/test_compiled.py checks that they are the kit's). The kernels write them (and log2 e) as
+# literals: a module-level float is an input of the compiled graph (dynamo does not specialise
+# floats), and the extra reads make inductor store the parts in buffers of their own, a second loop
+# over each row at half the vector width.
 _QUANTUM = float(2 ** 36)
 _PARTS = (1.5 * 2.0 ** 11, 1.5 * 2.0 ** -1, 1.5 * 2.0 ** -13)
 
 
-def _exact(x):
-    """``kit.exact_sum`` over the last dim of x (terms rounded to multiples of 2**-36), kept dim: for
-    float32, the three float32 parts of ``kit.exact_parts``, each summed in float32 without rounding
-    (twice as fast as float64 adds on a CPU; the same bits); float64 terms are rounded and added as
-    they are."""
+def _part_sums(x) -> tuple:
+    """``kit.exact_sum`` over the last dim of x, kept dim, as the sums of its parts: for float32
+    terms, the three float32 parts of ``kit.exact_parts`` (constants ``_PARTS``), each summed in
+    float32 without rounding (twice as fast as float64 adds on a CPU; the same bits); float64 terms
+    rounded to multiples of ``1 / _QUANTUM`` and added as they are (one part). A kernel returns the
+    parts as they are and :func:`_add_parts` adds them outside it: adding them inside is a pass of its
+    own over the rows, which inductor does not fuse with the reduction, so that the block would be
+    read twice from memory."""
     if x.dtype == torch.float64:
-        return torch.round(x * _QUANTUM).sum(-1, keepdim=True) * (1.0 / _QUANTUM)
-    c1, c2, c3 = _PARTS
-    hi = (x + c1) - c1
+        return (torch.round(x * 68719476736.0).sum(-1, keepdim=True) * 1.4551915228366852e-11,)
+    hi = (x + 3072.0) - 3072.0
     r = x - hi
-    mid = (r + c2) - c2
-    lo = ((r - mid) + c3) - c3
-    return (hi.sum(-1, keepdim=True).to(torch.float64) + mid.sum(-1, keepdim=True).to(torch.float64)
-            + lo.sum(-1, keepdim=True).to(torch.float64))
+    mid = (r + 0.75) - 0.75
+    lo = ((r - mid) + 0.00018310546875) - 0.00018310546875
+    return hi.sum(-1, keepdim=True), mid.sum(-1, keepdim=True), lo.sum(-1, keepdim=True)
 
 
-def _tile_sums(x, inv_t: float, m, with_entropy: bool):
-    """The exact sums of a block against its max ``m`` (rows, 1): of e = exp(z - m), and of
-    e * (z - m) (0 where z is -inf) with ``with_entropy``."""
+def _add_parts(parts) -> torch.Tensor:
+    """The float64 sum of :func:`_part_sums`' parts: exact, so the same bits in any order."""
+    total = parts[0].to(torch.float64)
+    for part in parts[1:]:
+        total = total + part.to(torch.float64)
+    return total
+
+
+def _exact(x):
+    """``kit.exact_sum`` over the last dim of x, kept dim (:func:`_part_sums`, added)."""
+    return _add_parts(_part_sums(x))
+
+
+def parts_of(dtype: torch.dtype) -> int:
+    """How many parts :func:`_part_sums` gives for logits of ``dtype``."""
+    return 1 if dtype == torch.float64 else len(_PARTS)
+
+
+def _tile_sums(x, inv_t: float, m, with_entropy: bool) -> tuple:
+    """The parts of the exact sums of a block against its max ``m`` (rows, 1): of e = exp(z - m),
+    then with ``with_entropy`` of e * (z - m) (0 where z is -inf). ``e`` is ``exp2((z - m) * log2 e)``:
+    inductor's CPU code realises a reused ``exp`` as a buffer of float32, which halves the vector
+    width of the whole reduction (16 lanes where bfloat16 loads give 32); ``exp2`` stays inlined."""
     d = _upcast(x) * inv_t - torch.where(m == float("-inf"), 0.0, m)
-    e = torch.exp(d)
+    e = torch.exp2(d * 1.4426950408889634)  # LOG2E
     if not with_entropy:
-        return (_exact(e),)
-    return _exact(e), _exact(torch.where(e == 0, 0.0, e * d))
+        return _part_sums(e)
+    return _part_sums(e) + _part_sums(torch.where(e == 0, 0.0, e * d))
 
 
 def _tile_stats(x, inv_t: float):
-    """Per row of a (rows, TILE) block of one grid tile: with z = x * inv_t, the max of z and the
-    exact sum of e = exp(z - max) (0 for a tile of nothing but -inf)."""
+    """Per row of a (rows, width) block of one grid tile (or a piece of it): with z = x * inv_t, the
+    max of z and the parts of the exact sum of e = exp(z - max) (0 for a tile of nothing but -inf)."""
     m = (_upcast(x) * inv_t).amax(-1, keepdim=True)
     return (m,) + _tile_sums(x, inv_t, m, False)
 
 
 def _tile_stats_entropy(x, inv_t: float):
-    """As :func:`_tile_stats`, plus the exact sum of e * (z - max) (0 where z is -inf)."""
+    """As :func:`_tile_stats`, plus the parts of the exact sum of e * (z - max) (0 where z is -inf)."""
     m = (_upcast(x) * inv_t).amax(-1, keepdim=True)
     return (m,) + _tile_sums(x, inv_t, m, True)
 
