@@ -471,6 +471,9 @@ def test_bench_process_group_runs_beside_gathering_the_logits(capsys):
     ours = next(line for line in lines if line.startswith("process_group"))
     theirs = next(line for line in lines if line.startswith("gather to rank 0"))
     assert int(ours.split()[-1].replace(",", "")) < int(theirs.split()[-1].replace(",", "")) / 100
+    header = next(line for line in lines if line.startswith("method"))
+    assert header.split()[1:5] == ["time", "(ms)", "CPU", "(ms)"]
+    assert float(ours.split()[1]) > 0 and float(ours.split()[2]) > 0  # wall and the busiest rank's CPU time
     assert lines[-1].startswith("largest difference between the two (from the unsharded call): ")
 
 

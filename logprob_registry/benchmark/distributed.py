@@ -15,7 +15,8 @@ With ``--sampler top_p=0.9,top_k=50`` (``softcap``, ``top_k``, ``top_p``, ``min_
 replay that sampler: the shards merge their top-k lists and statistics (docs/distributed.md), the
 gather computes on the full logits.
 
-Reported per method: the median over calls of the slowest rank's time; the largest peak memory a
+Reported per method: the median over calls of the slowest rank's time, and of the busiest rank's
+CPU time (this process's, all its threads: what other work on shared cores does not inflate); the largest peak memory a
 call adds on a rank (on the CPU through the peak resident set size; see
 :mod:`logprob_registry.benchmark.memory`); the bytes the ranks receive together, per row of logits (measured
 for ``process_group`` by :func:`logprob_registry.distributed.group.traffic`, counted from the
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
@@ -144,8 +146,15 @@ def rank_bench(rank: int, world: int, plan: Plan) -> dict:
     report: Dict[str, dict] = {}
     results = {}
     for name, fn in (("process_group", sharded), ("gather to rank 0", gathered)):
-        times, _ = time_calls(lambda _, fn=fn: fn(), lambda: dist.barrier(group), repeat=plan.repeat,
-                              warmup=plan.warmup)
+        cpu: List[float] = []
+
+        def timed(_, fn=fn, cpu=cpu):  # this process's CPU time too: robust where other work shares the cores
+            c0 = time.process_time()
+            out = fn()
+            cpu.append(time.process_time() - c0)
+            return out
+
+        times, _ = time_calls(timed, lambda: dist.barrier(group), repeat=plan.repeat, warmup=plan.warmup)
         dist.barrier(group)
         dgroup.traffic(reset=True)
         try:
@@ -154,7 +163,7 @@ def rank_bench(rank: int, world: int, plan: Plan) -> dict:
             out, peak = fn(), None
         received = dgroup.traffic(reset=True) if name == "process_group" else gather_bytes
         results[name] = [o.detach() for o in out]
-        report[name] = dict(times=times, peak_bytes=peak, bytes_received=received)
+        report[name] = dict(times=times, cpu=cpu[-plan.repeat:], peak_bytes=peak, bytes_received=received)
     diff = max(float((a.double() - c.double()).abs().nan_to_num(0.0, 0.0, 0.0).max()) if a.numel() else 0.0
                for a, c in zip(results["process_group"], results["gather to rank 0"]))
     flips = sum(int((torch.isinf(a) != torch.isinf(c)).sum())
@@ -172,9 +181,10 @@ def run(plan: Plan, timeout: float = 1800) -> dict:
     for name in METHODS:
         per_rank = [r["report"][name] for r in ranks]
         slowest = [max(p["times"][i] for p in per_rank) for i in range(plan.repeat)]
+        busiest = [max(p["cpu"][i] for p in per_rank) for i in range(plan.repeat)]
         peaks = [p["peak_bytes"] for p in per_rank if p["peak_bytes"] is not None]
         received = sum(p["bytes_received"] for p in per_rank)
-        rows.append(dict(method=name, time_ms=statistics.median(slowest) * 1e3,
+        rows.append(dict(method=name, time_ms=statistics.median(slowest) * 1e3, cpu_ms=statistics.median(busiest) * 1e3,
                          peak_bytes=max(peaks) if peaks else None, bytes_per_row=received / max(plan.rows, 1)))
     return dict(plan=asdict(plan), rows=rows, max_diff=max(r["max_diff"] for r in ranks),
                 kept_differs=max(r.get("kept_differs", 0) for r in ranks))
@@ -184,10 +194,11 @@ def render(result: dict) -> str:
     plan = Plan(**{**result["plan"], "shape": tuple(result["plan"]["shape"]),
                    "sampler": tuple(tuple(p) for p in result["plan"].get("sampler", ()))})
     lines = [f"bench --process-group {plan.world}: {plan.describe()}",
-             f"{'method':<18} {'time (ms)':>10} {'peak memory/rank':>17} {'bytes/row (all ranks)':>22}"]
+             f"{'method':<18} {'time (ms)':>10} {'CPU (ms)':>9} {'peak memory/rank':>17} {'bytes/row (all ranks)':>22}"]
     for row in result["rows"]:
         peak = "n/a" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**20:.1f} MiB"
-        lines.append(f"{row['method']:<18} {row['time_ms']:>10.1f} {peak:>17} {row['bytes_per_row']:>22,.0f}")
+        lines.append(f"{row['method']:<18} {row['time_ms']:>10.1f} {row['cpu_ms']:>9.1f} {peak:>17} "
+                     f"{row['bytes_per_row']:>22,.0f}")
     lines.append(f"largest difference between the two (from the unsharded call): {result['max_diff']:.3g}")
     if plan.sampler:
         lines.append(f"labels kept by one method and dropped by the other: {result.get('kept_differs', 0)}")
