@@ -432,23 +432,21 @@ class Registry(PluginSet):
             # strict_in_force() say, asked inline), its cached automatic choice (issue #36: a small call).
             chosen = self._cache.get(key)
             state = self._state
-            if chosen is not None and state[0] is self._environment() and state[1] == self.generation \
-                    and state[2] == _memory_text():
-                try:
-                    return chosen, chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
-                except Exception as exc:
-                    if caller_fault(exc) is not None:
-                        raise
-                    return self._fall_back(spec, key, args, options, chosen, exc)
-        strict = strict_in_force()
-        name, source = self.forced(backend)
-        if name is not None:
-            chosen = self._explicit(name, source, key, strict)
-            return chosen, chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
-        if strict:  # no fallback: the backend's error reaches the caller as raised, and marks nothing
-            chosen = self._automatic(key, True)
-            return chosen, chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
-        chosen = self._automatic(key)
+            if chosen is None or state[0] is not self._environment() or state[1] != self.generation \
+                    or state[2] != _memory_text():
+                chosen = None
+        else:
+            chosen = None
+        if chosen is None:
+            strict = strict_in_force()
+            name, source = self.forced(backend)
+            if name is not None:
+                chosen = self._explicit(name, source, key, strict)
+                return chosen, chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
+            if strict:  # no fallback: the backend's error reaches the caller as raised, and marks nothing
+                chosen = self._automatic(key, True)
+                return chosen, chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
+            chosen = self._automatic(key)
         try:
             return chosen, chosen.ops[key.op](*args, **spec.backend_options(chosen.features, options))
         except Exception as exc:
