@@ -198,14 +198,16 @@ def _tile_stats_entropy(x, inv_t: float):
 
 def _tile_stats_ref(x, inv_t: float, ref):
     """:func:`_tile_stats` against at least ``ref`` (rows, 1): a piece of a tile two shards share,
-    measured against the whole tile's max (a kernel of its own: the common call reads no ``ref``)."""
-    m = torch.maximum((_upcast(x) * inv_t).amax(-1, keepdim=True), ref)
+    measured against the whole tile's max (a kernel of its own: the common call reads no ``ref``).
+    ``ref`` joins the max's reduction elementwise (the same bits: a max is exact): a maximum after
+    the reduction made inductor write the max out and read the block again for the sums."""
+    m = torch.maximum(_upcast(x) * inv_t, ref).amax(-1, keepdim=True)
     return (m,) + _tile_sums(x, inv_t, m, False)
 
 
 def _tile_stats_entropy_ref(x, inv_t: float, ref):
     """:func:`_tile_stats_entropy` against at least ``ref`` (see :func:`_tile_stats_ref`)."""
-    m = torch.maximum((_upcast(x) * inv_t).amax(-1, keepdim=True), ref)
+    m = torch.maximum(_upcast(x) * inv_t, ref).amax(-1, keepdim=True)
     return (m,) + _tile_sums(x, inv_t, m, True)
 
 
