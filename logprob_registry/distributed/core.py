@@ -8,8 +8,8 @@ statistics through the registry *before* any collective, keeping any error in
 1. :func:`exchange`: one all-gather of the header rows; every rank raises the same error, or
    learns the :class:`~.header.Layout`;
 2. :func:`complete` (only where a shard edge is off the tile grid, so that two ranks share a grid
-   tile): one all-gather of each rank's first and last tile maxima per row; a piece below its
-   tile's max is recomputed against it (:attr:`Stats.recompute`);
+   tile): one all-gather of each rank's first and last tile maxima per row; a piece's rows below
+   their tile's max are recomputed against it (:attr:`Stats.recompute`);
 3. :func:`gather`: one all-gather of the packed statistics (:class:`Stats`), ``(N, K * max_tiles
    + E + C + 1)`` per rank in the result dtype (``K`` per-tile statistics: 2, or 3 with the entropy, 5
    for ``kl_divergence``; ``E``: the exact float64 sums of the shared tiles' pieces, their bits in
@@ -36,8 +36,9 @@ from .tiles import NEG_INF, n_tiles
 class Stats(NamedTuple):
     """One shard's statistics, flattened to rows: per-tile statistics (N, n_tiles) each (None: not
     asked for; the maxima in the result dtype, the sums the grid's exact float64), per-row columns
-    (N, C) or None (the label logits), and ``recompute(slot, references)``: the per-tile statistics
-    of that one grid tile against ``references`` (one (N,) per maximum), each (N, 1)."""
+    (N, C) or None (the label logits), and ``recompute(slot, references, rows)``: the per-tile
+    statistics of that one grid tile for the flat rows ``rows`` (an index (R,)) against
+    ``references`` (one (R,) per maximum), each (R, 1)."""
 
     tiles: Tuple[Optional[torch.Tensor], ...]
     rows: Optional[torch.Tensor] = None
@@ -122,7 +123,8 @@ def complete(group: Group, layout: header.Layout, stats: Optional[Stats], device
     """The grid tiles this rank shares with another (a shard edge off the grid) measured against the
     whole tile's max, so that their pieces' exact sums add up to the tile's own (see :mod:`.tiles`):
     one all-gather of every rank's first and last tile maxima per row, then :attr:`Stats.recompute`
-    of a piece that is below its tile's max in some row. Nothing happens when every shard starts on
+    of a piece's rows that are below their tile's max (about half of them where two shards share a
+    tile). Nothing happens when every shard starts on
     the grid. A rank that failed (``failure``, or failing here) still joins the all-gather, and its
     failure goes on to :func:`gather`. ``maxima``: the indices of the statistics that are maxima
     (each sum is measured against one of them)."""
@@ -146,13 +148,19 @@ def complete(group: Group, layout: header.Layout, stats: Optional[Stats], device
             at = parts[maxima[0]].device
             references = tuple(_tile_max(table, layout, layout.first_tile(me) + slot, k).to(at)
                                for k in range(len(maxima)))
-            if not any(bool((parts[i][:, slot] < ref).any()) for i, ref in zip(maxima, references)):
+            below = None
+            for i, ref in zip(maxima, references):
+                low = parts[i][:, slot] < ref
+                below = low if below is None else below | low
+            rows = below.nonzero().squeeze(1)
+            if not rows.numel():
                 continue  # this piece holds its tile's maxima in every row: measured against them already
-            for k, value in enumerate(stats.recompute(slot, references)):
+            # only the rows where it does not (a row where it does has its statistics already)
+            for k, value in enumerate(stats.recompute(slot, tuple(ref[rows] for ref in references), rows)):
                 if parts[k] is not None and value is not None:
                     if parts[k] is stats.tiles[k]:  # the shard op's own tensor: written into a copy
                         parts[k] = parts[k].clone()
-                    parts[k][:, slot] = value.reshape(-1).to(parts[k].dtype)
+                    parts[k][rows, slot] = value.reshape(-1).to(parts[k].dtype)
         return stats._replace(tiles=tuple(parts)), None
     except Exception as exc:  # carried by the statistics gather's failure column
         return None, exc

@@ -36,7 +36,7 @@ from . import core, header
 from .group import Group
 from .merge import merge_cross
 from .skeleton import Plan, Sharded, function
-from .tiles import TILE, grid
+from .tiles import NEG_INF, TILE, grid
 
 STATS_OP, GRAD_OP = "kl_shard_stats", "kl_shard_grad"
 _STATS = ("student_max", "student_sumexp", "teacher_max", "teacher_sumexp", "cross")
@@ -90,24 +90,31 @@ class KL(Sharded):
             return None
         key = self.key(self.plan.stats_op)
         out = self.tile_stats(key, self.call.inputs, self._options(), (True,) * len(_STATS), None, acc)
-        return out._replace(recompute=lambda slot, references: self._slot_stats(key, slot, references, acc))
+        return out._replace(recompute=lambda slot, references, rows: self._slot_stats(key, slot, references, rows,
+                                                                                     acc))
 
-    def _slot_stats(self, key, slot: int, references: tuple, acc) -> tuple:
-        """One grid tile's statistics against ``references`` (the whole tile's student and teacher
-        maxima per row): the same shard op over both sides' columns in that tile."""
+    def _slot_stats(self, key, slot: int, references: tuple, rows: torch.Tensor, acc) -> tuple:
+        """One grid tile's statistics of the flat rows ``rows`` against ``references`` (the whole
+        tile's student and teacher maxima there): the same shard op over both sides' columns in that
+        tile, on every row (the two sides' options are per row), those rows taken from it."""
         piece = grid(self.start, self.call.vocab, TILE)[slot]
         c0, c1 = piece.c0, piece.c1
         lead = self.call.inputs[0].shape[:-1]
-        options = dict(self._options(), vocab_start=self.start + c0, student_reference=references[0].view(lead),
-                       teacher_reference=references[1].view(lead))
+        full = []
+        for ref in references:  # every row: the others' references do not matter, their values are dropped
+            whole = torch.full((self.rows,), NEG_INF, dtype=ref.dtype, device=ref.device)
+            full.append(whole.index_copy_(0, rows, ref).view(lead))
+        options = dict(self._options(), vocab_start=self.start + c0, student_reference=full[0],
+                       teacher_reference=full[1])
         sides = list(self.call.inputs)
         for i, name in enumerate(("student_weight", "teacher_weight")):
             if options[name] is not None:
                 options[name] = options[name][c0:c1]
             else:
                 sides[i] = sides[i][..., c0:c1]
-        return self.tile_stats(key, tuple(sides), options, (True,) * len(_STATS), None, acc,
-                               start=self.start + c0, width=c1 - c0).tiles
+        tiles = self.tile_stats(key, tuple(sides), options, (True,) * len(_STATS), None, acc,
+                                start=self.start + c0, width=c1 - c0).tiles
+        return tuple(None if t is None else t[rows.to(t.device)] for t in tiles)
 
     def packed(self) -> Tuple[int, int]:
         return len(_STATS), 0

@@ -34,7 +34,7 @@ from .core import BackwardFailedError  # noqa: F401 - raised by the hidden backw
 from .group import Group, resolve
 from .merge import _tree_over_tiles, merge_squares
 from .skeleton import Plan, Sharded, function
-from .tiles import TILE, grid
+from .tiles import NEG_INF, TILE, grid
 
 _HIDDEN = "logprobs_from_hidden"
 
@@ -204,8 +204,8 @@ class Logits(Sharded):
         key = self.key(self.plain_op if plain else self.plan.stats_op, self.call.grad)
         out = self.tile_stats(key, self._stats_inputs(), options, present, self.label_count(), acc)
 
-        def recompute(slot: int, references: tuple) -> tuple:
-            return self._slot_stats(key, options, present, slot, references[0], acc)
+        def recompute(slot: int, references: tuple, rows: torch.Tensor) -> tuple:
+            return self._slot_stats(key, options, present, slot, references[0], rows, acc)
 
         return out._replace(recompute=recompute)
 
@@ -214,12 +214,27 @@ class Logits(Sharded):
         """The statistics op of the decision's plain rounds (:meth:`stats` with ``plain``)."""
         return self.plan.stats_op
 
-    def _slot_stats(self, key, options: dict, present: tuple, slot: int, reference: torch.Tensor, acc) -> tuple:
-        """One grid tile's statistics against ``reference`` (the whole tile's max per row): the same
-        shard op over the shard's columns in that tile, ``(m, s, t)`` each (rows, 1)."""
+    def _slot_stats(self, key, options: dict, present: tuple, slot: int, reference: torch.Tensor,
+                    rows: torch.Tensor, acc) -> tuple:
+        """One grid tile's statistics of the flat rows ``rows`` against ``reference`` (the whole
+        tile's max there): the same shard op over the shard's columns in that tile, ``(m, s, t)``
+        each (R, 1). Over those rows alone for logits without the sampler's keywords or per-row
+        options (a row's statistics do not depend on the other rows: the shard ops' contract); else
+        over every row, the others measured against their own max, and those rows taken."""
         piece = grid(self.start, self.call.vocab, TILE)[slot]
         c0, c1 = piece.c0, piece.c1
         inputs = list(self._stats_inputs())
+        if not (self.hidden or self.sampled) and not any(isinstance(v, torch.Tensor) for v in options.values()):
+            logits, labels = inputs[0][..., c0:c1].reshape(self.rows, c1 - c0), inputs[-1]
+            inputs[0] = logits.index_select(0, rows.to(logits.device))
+            if labels is not None:
+                per = labels.reshape(self.rows, -1).index_select(0, rows.to(labels.device))
+                inputs[-1] = per if self.call.candidates else per.reshape(-1)
+            narrowed = dict(options, vocab_start=self.start + c0, reference=reference)
+            return self.tile_stats(key, tuple(inputs), narrowed, present, self.label_count(), acc,
+                                   start=self.start + c0, width=c1 - c0, rows=rows.numel()).tiles
+        whole = torch.full((self.rows,), NEG_INF, dtype=reference.dtype, device=reference.device)
+        reference = whole.index_copy_(0, rows, reference)
         narrowed = dict(options, vocab_start=self.start + c0, reference=reference.view(self.call.inputs[0].shape[:-1]))
         if self.hidden:
             inputs[1] = inputs[1][c0:c1]
@@ -231,7 +246,7 @@ class Logits(Sharded):
             narrowed["keep"] = options["keep"][:, c0:c1]
         stats = self.tile_stats(key, tuple(inputs), narrowed, present, self.label_count(), acc,
                                 start=self.start + c0, width=c1 - c0)
-        return stats.tiles
+        return tuple(None if t is None else t[rows.to(t.device)] for t in stats.tiles)
 
     def lists(self, length: int, decision: bool = True):
         """This shard's top-``length`` (values, global ids) of the float32 processed logits (at most its
@@ -402,8 +417,8 @@ class Stats(Logits):
         key = self.key(self.plan.stats_op, self.call.grad)
         out = self.tile_stats(key, self._stats_inputs(), options, present, self.label_count(), acc, after=ROWS)
 
-        def recompute(slot: int, references: tuple) -> tuple:
-            return self._slot_stats(key, options, present, slot, references[0], acc)
+        def recompute(slot: int, references: tuple, rows: torch.Tensor) -> tuple:
+            return self._slot_stats(key, options, present, slot, references[0], rows, acc)
 
         return out._replace(recompute=recompute)
 

@@ -133,15 +133,16 @@ class Sharded:
 
     def tile_stats(self, key, inputs: tuple, options: dict, present: tuple, labels: Optional[int],
                    acc: torch.dtype, start: Optional[int] = None, width: Optional[int] = None,
-                   after: int = 0) -> core.Stats:
+                   after: int = 0, rows: Optional[int] = None) -> core.Stats:
         """A statistics shard op's per-tile statistics (those ``present``), ``(rows, n_tiles)`` each
         (the maxima in ``acc``, the sums in float64), and with ``labels`` (not None: the
         op's output after them) the label logits per row, after the ``after`` per-row outputs that
         follow them (``shard_token_stats``' row max and first maximum, in ``acc``: ids below 2**24
-        are exact); ``start``, ``width``: of the columns the call covers (default: the shard's)."""
+        are exact); ``start``, ``width``: of the columns the call covers (default: the shard's);
+        ``rows``: the inputs' rows, flat (default: the call's)."""
         start = self.start if start is None else start
         width = self.call.vocab if width is None else width
-        rows = self.rows
+        rows = self.rows if rows is None else rows
         nt = grid_slots(start, width, TILE)
         tile = Expected((rows, nt), flat=True, words=f"{rows} rows x {nt} grid tiles of {TILE} columns")
         expected = tuple(tile if wanted else None for wanted in present)
