@@ -546,35 +546,50 @@ class _FusedCompiled(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, c: _Call, ignored, entropy, labels, options):
         accumulate = _accumulates(c, entropy, tuple(ctx.needs_input_grad[:3]))
-        logp, ent, stats, ctx.dh, _ = _outputs(c, ignored, entropy, accumulate)
+        logp, ent, stats, dh, _ = _outputs(c, ignored, entropy, accumulate)
         if not accumulate:
             _warm_backward(c, True, entropy)
-        ctx.set_materialize_grads(False)
-        ctx.call, ctx.stats, ctx.labels, ctx.options = c, stats, labels, options
-        # c holds hidden, weight and bias detached; saving them too makes autograd check that
-        # nobody modified them in place before backward
-        ctx.save_for_backward(hidden, weight, bias)
+        _keep(ctx, c, stats, labels, options, hidden, weight, bias, dh)
         return (logp, ent) if entropy else logp
 
     @staticmethod
     def backward(ctx, g_lp, g_ent=None):
-        hidden, weight, bias = ctx.saved_tensors
-        c, st = ctx.call, ctx.stats
-        need = tuple(ctx.needs_input_grad[:3])
-        if (g_lp is None and g_ent is None) or not any(need):
-            return (None,) * 8
-        if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
-            def outputs():
-                out = kit.reference_function("logprobs_from_hidden")(hidden, weight, ctx.labels, bias=bias,
-                                                                     dtype=c.cd, **ctx.options)
-                return out if isinstance(out, tuple) else (out,)
+        def outputs(hidden, weight, bias):
+            out = kit.reference_function("logprobs_from_hidden")(hidden, weight, ctx.labels, bias=bias,
+                                                                 dtype=ctx.call.cd, **ctx.options)
+            return out if isinstance(out, tuple) else (out,)
 
-            inputs = tuple(t if n else None for t, n in zip((hidden, weight, bias), need))
-            return second_order_gradient(outputs, inputs, (g_lp, g_ent)) + (None,) * 5
-        with torch.no_grad():
-            if ctx.dh is not None:  # a frozen weight: the hidden gradient was formed in forward
-                return (_scaled(ctx.dh, g_lp, st.ignored, hidden.dtype), None, None) + (None,) * 5
-            return _first_order(hidden, bias, c, st, need, g_lp, g_ent) + (None,) * 5
+        return _fused_backward(ctx, g_lp, g_ent, outputs)
+
+
+def _keep(ctx, c: _Call, stats, labels, options: dict, hidden, weight, bias, dh=None) -> None:
+    """What both fused Functions' backward reads (:func:`_fused_backward`). ``c`` holds hidden,
+    weight and bias detached; saving them too makes autograd check that nobody modified them in
+    place before backward."""
+    ctx.set_materialize_grads(False)
+    ctx.call, ctx.stats, ctx.labels, ctx.options = c, stats, labels, options
+    if dh is not None:
+        ctx.dh = dh
+    ctx.save_for_backward(hidden, weight, bias)
+
+
+def _fused_backward(ctx, g_lp, g_ent, outputs: Callable) -> tuple:
+    """The backward of both fused Functions (8 inputs: hidden, weight, bias, then 5 without
+    gradients): the compiled backward tiles; a frozen weight's hidden gradient formed in forward
+    (``ctx.dh``) scaled; with create_graph=True, through ``outputs(hidden, weight, bias)`` (the
+    reference's differentiable outputs), a gradient autograd can differentiate again."""
+    hidden, weight, bias = ctx.saved_tensors
+    c, st = ctx.call, ctx.stats
+    need = tuple(ctx.needs_input_grad[:3])
+    if (g_lp is None and g_ent is None) or not any(need):
+        return (None,) * 8
+    if torch.is_grad_enabled():
+        inputs = tuple(t if n else None for t, n in zip((hidden, weight, bias), need))
+        return second_order_gradient(lambda: outputs(hidden, weight, bias), inputs, (g_lp, g_ent)) + (None,) * 5
+    with torch.no_grad():
+        if getattr(ctx, "dh", None) is not None:  # a frozen weight: the hidden gradient was formed in forward
+            return (_scaled(ctx.dh, g_lp, st.ignored, hidden.dtype), None, None) + (None,) * 5
+        return _first_order(hidden, bias, c, st, need, g_lp, g_ent) + (None,) * 5
 
 
 def _scaled(dh: torch.Tensor, g_lp: Optional[torch.Tensor], ignored: Optional[torch.Tensor],
@@ -670,9 +685,7 @@ class _FusedStats(torch.autograd.Function):
             logp = None
         want_logp, want_entropy = kit.stats_asked(want)
         _warm_backward(c, want_logp, want_entropy)
-        ctx.set_materialize_grads(False)
-        ctx.call, ctx.stats, ctx.labels, ctx.options = c, stats, labels, options
-        ctx.save_for_backward(hidden, weight, bias)
+        _keep(ctx, c, stats, labels, options, hidden, weight, bias)
         named = _stats_fields(logp, ent, extra, want)
         outs = tuple(named.get(name) for name in FIELDS)
         ctx.mark_non_differentiable(*kit.fixed_stats(outs))
@@ -682,22 +695,14 @@ class _FusedStats(torch.autograd.Function):
     @backward_without_autocast
     def backward(ctx, *grads):
         g_lp, g_ent = kit.stats_gradients(grads)
-        hidden, weight, bias = ctx.saved_tensors
-        c, st = ctx.call, ctx.stats
-        need = tuple(ctx.needs_input_grad[:3])
-        if (g_lp is None and g_ent is None) or not any(need):
-            return (None,) * 8
-        if torch.is_grad_enabled():  # create_graph=True: a gradient autograd can differentiate again
-            def outputs():
-                names = ("entropy",) if ctx.labels is None else ("logprobs", "entropy")
-                out = kit.reference_function("token_stats")(hidden, ctx.labels, weight=weight, bias=bias,
-                                                            outputs=names, dtype=c.cd, **ctx.options)
-                return (out.get("logprobs"), out["entropy"])
 
-            inputs = tuple(t if n else None for t, n in zip((hidden, weight, bias), need))
-            return second_order_gradient(outputs, inputs, (g_lp, g_ent)) + (None,) * 5
-        with torch.no_grad():
-            return _first_order(hidden, bias, c, st, need, g_lp, g_ent) + (None,) * 5
+        def outputs(hidden, weight, bias):
+            names = ("entropy",) if ctx.labels is None else ("logprobs", "entropy")
+            out = kit.reference_function("token_stats")(hidden, ctx.labels, weight=weight, bias=bias,
+                                                        outputs=names, dtype=ctx.call.cd, **ctx.options)
+            return (out.get("logprobs"), out["entropy"])
+
+        return _fused_backward(ctx, g_lp, g_ent, outputs)
 
 
 def token_stats(hidden, weight, labels, *, bias, outputs, temperature, ignore_index, softcap=None):
