@@ -10,7 +10,7 @@ kernel computes the same bits with three float32 sums, :func:`exact_parts`). So 
 are the same bits in whatever order or pieces its terms are added.
 
 A tile that two shards share (a shard edge off the grid) is completed by the core: each piece's max
-is gathered, a piece below the tile's max is recomputed against it (the option ``reference``), and
+is gathered, a piece's rows below the tile's max are recomputed against it (the option ``reference``), and
 the pieces' exact sums are added. Every tile then has the statistics it has in a group of one, and
 the core merges the tiles in global order (:mod:`.merge`): results, whatever the shards' widths and
 the number of ranks, are the same bits (a gather moves bytes and never rounds).
