@@ -124,10 +124,10 @@ def complete(group: Group, layout: header.Layout, stats: Optional[Stats], device
     whole tile's max, so that their pieces' exact sums add up to the tile's own (see :mod:`.tiles`):
     one all-gather of every rank's first and last tile maxima per row, then :attr:`Stats.recompute`
     of a piece's rows that are below their tile's max (about half of them where two shards share a
-    tile). Nothing happens when every shard starts on
-    the grid. A rank that failed (``failure``, or failing here) still joins the all-gather, and its
-    failure goes on to :func:`gather`. ``maxima``: the indices of the statistics that are maxima
-    (each sum is measured against one of them)."""
+    tile). Nothing happens when every shard starts on the grid. A rank that failed (``failure``, or
+    failing here) still joins the all-gather, and its failure goes on to :func:`gather`.
+    ``maxima``: the indices of the statistics that are maxima (each sum is measured against one of
+    them)."""
     if layout.aligned or not layout.rows:
         return stats, failure
     me = group.rank
